@@ -1,0 +1,44 @@
+/// @file
+/// Construction-time configuration of a RoutingReplay.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace routing_replay {
+
+/// @brief Everything a RoutingReplay needs to size its buffers and validate its input.
+///
+/// Terms follow DESIGN.md: L captured MoE layers, K top-k, E routed experts, N_max the engine's
+/// max batched tokens per step.
+struct replay_config {
+  /// @brief E: routed experts per MoE layer; valid logical ids are [0, E).
+  std::int32_t num_experts = 0;
+  /// @brief K: experts chosen per token and layer (columns captured per row).
+  std::int32_t top_k = 0;
+  /// @brief Extra columns after the first K in the router output (fused shared experts); skipped.
+  std::int32_t num_fused_shared_experts = 0;
+  /// @brief N_max: the most tokens one engine step may schedule.
+  std::int32_t max_tokens_per_step = 0;
+  /// @brief Positions must lie in [0, max_model_len); also the cap of per-request growth.
+  std::int64_t max_model_len = 0;
+  /// @brief Model layers in the model (dense and MoE); 0 means one past the largest MoE layer.
+  std::int32_t num_model_layers = 0;
+  /// @brief The layer map: the model layer index of each captured MoE layer, in capture order.
+  /// Captured layer i is model layer moe_layers[i]; every other model layer (dense, draft/MTP) is
+  /// not captured, and capturing it is an error.
+  std::vector<std::int32_t> moe_layers;
+  /// @brief Block-slot storage only: tokens per KV block.
+  std::int32_t block_size = 0;
+  /// @brief Block-slot storage only: KV blocks in the pool (slots = num_blocks * block_size).
+  std::int64_t num_blocks = 0;
+  /// @brief Cap on host bytes of stored rows; storing past it is an error, never a silent drop.
+  std::size_t host_memory_limit = std::numeric_limits<std::size_t>::max();
+  /// @brief Preemption with recompute: false keeps the first routing recorded for a position
+  /// (it produced the sampled token); true keeps the latest.
+  bool overwrite_recomputed_rows = false;
+};
+
+}  // namespace routing_replay

@@ -1,0 +1,210 @@
+/// @file
+/// The CUDA backend: device buffers in GPU memory, stagings in pinned host memory, CUDA streams
+/// and events. Needs nvcc.
+#pragma once
+
+#include <routing_replay/errors.hpp>
+
+#include <cub/device/device_for.cuh>
+#include <cuda/stream_ref>
+#include <thrust/device_vector.h>
+#include <thrust/host_vector.h>
+#include <thrust/mr/allocator.h>
+#include <thrust/system/cuda/memory_resource.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace routing_replay {
+
+namespace detail {
+
+/// @brief Throws routing_replay::error for a failed CUDA runtime call, naming the call.
+inline void check_cuda(cudaError_t status, const char* what)
+{
+  if (status != cudaSuccess) {
+    throw error{errc::backend_error,
+                std::string{what} + " failed: " + cudaGetErrorName(status) + " (" +
+                  cudaGetErrorString(status) + ")"};
+  }
+}
+
+}  // namespace detail
+
+/// @brief An owning, non-blocking CUDA stream (move-only).
+class cuda_stream {
+ public:
+  /// @brief Creates a stream that does not synchronize with the legacy default stream.
+  cuda_stream()
+  {
+    detail::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                       "cudaStreamCreateWithFlags");
+  }
+  cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+  cuda_stream& operator=(cuda_stream&& other) noexcept
+  {
+    std::swap(stream_, other.stream_);
+    return *this;
+  }
+  cuda_stream(const cuda_stream&)            = delete;
+  cuda_stream& operator=(const cuda_stream&) = delete;
+  ~cuda_stream()
+  {
+    if (stream_ != nullptr) { cudaStreamDestroy(stream_); }
+  }
+  /// @brief A non-owning reference.
+  [[nodiscard]] cuda::stream_ref ref() const noexcept { return cuda::stream_ref{stream_}; }
+  /// @brief The raw handle.
+  [[nodiscard]] cudaStream_t get() const noexcept { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+/// @brief An owning CUDA event without timing (move-only): the cheapest kind to record and query.
+class cuda_event {
+ public:
+  cuda_event()
+  {
+    detail::check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
+                       "cudaEventCreateWithFlags");
+  }
+  cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  cuda_event& operator=(cuda_event&& other) noexcept
+  {
+    std::swap(event_, other.event_);
+    return *this;
+  }
+  cuda_event(const cuda_event&)            = delete;
+  cuda_event& operator=(const cuda_event&) = delete;
+  ~cuda_event()
+  {
+    if (event_ != nullptr) { cudaEventDestroy(event_); }
+  }
+  /// @brief The raw handle.
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+/// @brief Backend policy for CUDA GPUs.
+struct cuda_backend {
+  /// @brief Non-owning stream handle taken by every asynchronous call (libcu++).
+  using stream_ref = cuda::stream_ref;
+  /// @brief Owning stream, for side streams the library creates itself.
+  using stream = cuda_stream;
+  /// @brief Owning event.
+  using event = cuda_event;
+  /// @brief GPU memory (Thrust).
+  template <class T>
+  using device_vector = thrust::device_vector<T>;
+  /// @brief Pinned host memory (Thrust's pinned memory resource), so D2H copies are truly async.
+  template <class T>
+  using pinned_vector = thrust::host_vector<
+    T,
+    thrust::mr::stateless_resource_allocator<T,
+                                             thrust::system::cuda::universal_host_pinned_memory_resource>>;
+
+  /// @brief Human-readable name.
+  static constexpr const char* name = "cuda";
+
+  /// @brief Whether a usable CUDA device is present (false without a driver or a GPU).
+  [[nodiscard]] static bool available() noexcept
+  {
+    int count = 0;
+    return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  }
+
+  /// @brief Raw pointer to the first element of a device or pinned vector.
+  template <class Vector>
+  [[nodiscard]] static auto* data(Vector& v) noexcept
+  {
+    return thrust::raw_pointer_cast(v.data());
+  }
+
+  /// @brief Enqueues a strided 2-D copy of `height` rows of `width` bytes (any direction).
+  static void copy_2d_async(void* dst,
+                            std::size_t dst_pitch,
+                            const void* src,
+                            std::size_t src_pitch,
+                            std::size_t width,
+                            std::size_t height,
+                            stream_ref stream)
+  {
+    if (width == 0 || height == 0) { return; }
+    detail::check_cuda(
+      cudaMemcpy2DAsync(
+        dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDefault, stream.get()),
+      "cudaMemcpy2DAsync");
+  }
+
+  /// @brief Enqueues a 1-D copy of `bytes` bytes (any direction).
+  static void copy_async(void* dst, const void* src, std::size_t bytes, stream_ref stream)
+  {
+    if (bytes == 0) { return; }
+    detail::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream.get()),
+                       "cudaMemcpyAsync");
+  }
+
+  /// @brief Enqueues a strided 2-D byte fill of device memory.
+  static void fill_2d_async(void* dst,
+                            std::size_t pitch,
+                            unsigned char value,
+                            std::size_t width,
+                            std::size_t height,
+                            stream_ref stream)
+  {
+    if (width == 0 || height == 0) { return; }
+    detail::check_cuda(cudaMemset2DAsync(dst, pitch, value, width, height, stream.get()),
+                       "cudaMemset2DAsync");
+  }
+
+  /// @brief Enqueues one kernel that calls `op(i)` for every i in [0, n) (CUB DeviceFor::Bulk:
+  /// no temporary storage, no synchronization, so it is safe inside CUDA graph capture).
+  template <class Op>
+  static void bulk_async(std::int64_t n, Op op, stream_ref stream)
+  {
+    if (n <= 0) { return; }
+    detail::check_cuda(cub::DeviceFor::Bulk(n, op, stream.get()), "cub::DeviceFor::Bulk");
+  }
+
+  /// @brief Records `e` on `stream`.
+  static void record(event& e, stream_ref stream)
+  {
+    detail::check_cuda(cudaEventRecord(e.get(), stream.get()), "cudaEventRecord");
+  }
+
+  /// @brief Makes later work on `stream` wait for the latest record of `e`.
+  static void wait(stream_ref stream, const event& e)
+  {
+    detail::check_cuda(cudaStreamWaitEvent(stream.get(), e.get(), 0), "cudaStreamWaitEvent");
+  }
+
+  /// @brief Whether the latest record of `e` has completed.
+  [[nodiscard]] static bool ready(const event& e)
+  {
+    const cudaError_t status = cudaEventQuery(e.get());
+    if (status == cudaErrorNotReady) { return false; }
+    detail::check_cuda(status, "cudaEventQuery");
+    return true;
+  }
+
+  /// @brief Blocks the calling thread until the latest record of `e` has completed.
+  static void synchronize(const event& e)
+  {
+    detail::check_cuda(cudaEventSynchronize(e.get()), "cudaEventSynchronize");
+  }
+
+  /// @brief Blocks the calling thread until `stream` has run everything enqueued so far.
+  static void synchronize(stream_ref stream)
+  {
+    detail::check_cuda(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize");
+  }
+};
+
+}  // namespace routing_replay

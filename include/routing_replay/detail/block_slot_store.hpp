@@ -1,0 +1,240 @@
+/// @file
+/// Block-slot indexed host storage: rows live at KV-cache slots, so prefix-cache hits and
+/// preemption keep them, and a per-block generation detects rows made stale by block reuse.
+#pragma once
+
+#include <routing_replay/config.hpp>
+#include <routing_replay/errors.hpp>
+#include <routing_replay/index_type.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace routing_replay::detail {
+
+/// @brief One [num_blocks * block_size, L, K] array indexed by KV slot, plus, per request, which
+/// slot (and which generation of its block) holds each position.
+///
+/// A block's generation grows whenever the engine declares it freshly allocated; a position whose
+/// recorded generation differs from its block's current one is stale and reads as missing, never as
+/// another request's routing.
+template <class Index>
+class block_slot_store {
+ public:
+  /// @brief Whether rows live at KV slots (true: at slots).
+  static constexpr bool slot_indexed = true;
+
+  block_slot_store(const replay_config& config, std::int64_t row_elems)
+    : row_elems_(row_elems),
+      block_size_(config.block_size),
+      num_slots_(config.num_blocks * config.block_size),
+      limit_(config.host_memory_limit)
+  {
+    if (config.block_size <= 0 || config.num_blocks <= 0) {
+      throw error{errc::invalid_config,
+                  "block_slot_storage needs block_size > 0 and num_blocks > 0 (got block_size " +
+                    std::to_string(config.block_size) + ", num_blocks " +
+                    std::to_string(config.num_blocks) + ")"};
+    }
+    const std::size_t bytes = static_cast<std::size_t>(num_slots_ * row_elems_) * sizeof(Index);
+    if (bytes > limit_) {
+      throw error{errc::host_memory_exhausted,
+                  "block_slot_storage for " + std::to_string(num_slots_) + " slots needs " +
+                    std::to_string(bytes) + " bytes, over host_memory_limit " +
+                    std::to_string(limit_)};
+    }
+    rows_.assign(static_cast<std::size_t>(num_slots_ * row_elems_), index_traits<Index>::sentinel);
+    generation_.assign(static_cast<std::size_t>(config.num_blocks), 0u);
+    slot_stamp_.assign(static_cast<std::size_t>(num_slots_), 0u);
+  }
+
+  /// @brief Starts bookkeeping for request handle `h`.
+  void open(std::uint32_t h)
+  {
+    if (h >= positions_.size()) { positions_.resize(h + 1); }
+    positions_[h].clear();
+  }
+
+  /// @brief Throws slot_out_of_range unless every slot lies in the pool.
+  void check_slot_range(std::span<const std::int64_t> slots) const
+  {
+    for (const std::int64_t slot : slots) {
+      if (slot < 0 || slot >= num_slots_) {
+        throw error{errc::slot_out_of_range,
+                    "slot " + std::to_string(slot) + " is outside the pool [0, " +
+                      std::to_string(num_slots_) + ")"};
+      }
+    }
+  }
+
+  /// @brief Prefix-cache hit: positions [0, cached_slots.size()) of `h` are served from those
+  /// slots as their blocks are now, except positions that already hold a valid row.
+  void bind_cached(std::uint32_t h, std::span<const std::int64_t> cached_slots)
+  {
+    auto& map = positions_[h];
+    if (map.size() < cached_slots.size()) { map.resize(cached_slots.size(), slot_ref{}); }
+    for (std::size_t p = 0; p < cached_slots.size(); ++p) {
+      if (valid_row(map[p]) == nullptr) {
+        map[p] = slot_ref{cached_slots[p], generation_[block_of(cached_slots[p])]};
+      }
+    }
+  }
+
+  /// @brief Forgets `h`; its rows stay at their slots for later prefix hits.
+  void close(std::uint32_t h) { positions_[h] = std::vector<slot_ref>{}; }
+
+  /// @brief Validates the slots of a scheduled request: one per token, inside the pool, and no slot
+  /// twice in one step.
+  void check_slots(std::span<const std::int64_t> slots, std::int32_t num_tokens)
+  {
+    if (slots.size() != static_cast<std::size_t>(num_tokens)) {
+      throw error{errc::slot_out_of_range,
+                  "block_slot_storage needs one slot per token: got " +
+                    std::to_string(slots.size()) + " slots for " + std::to_string(num_tokens) +
+                    " tokens"};
+    }
+    check_slot_range(slots);
+    for (const std::int64_t slot : slots) {
+      if (slot_stamp_[static_cast<std::size_t>(slot)] == attempt_) {
+        throw error{errc::slot_out_of_range,
+                    "slot " + std::to_string(slot) + " is used twice in one step"};
+      }
+      slot_stamp_[static_cast<std::size_t>(slot)] = attempt_;
+    }
+  }
+
+  /// @brief Starts a validation pass of a step plan (for duplicate-slot detection).
+  void begin_validation()
+  {
+    if (++attempt_ == 0) {  // wrapped: old stamps could collide with new passes
+      std::fill(slot_stamp_.begin(), slot_stamp_.end(), 0u);
+      attempt_ = 1;
+    }
+  }
+
+  /// @brief Validates blocks that a plan declares freshly allocated.
+  void check_blocks(std::span<const std::int64_t> blocks) const
+  {
+    for (const std::int64_t b : blocks) {
+      if (b < 0 || b >= static_cast<std::int64_t>(generation_.size())) {
+        throw error{errc::slot_out_of_range,
+                    "fresh block " + std::to_string(b) + " is outside the pool [0, " +
+                      std::to_string(generation_.size()) + ")"};
+      }
+    }
+  }
+
+  /// @brief Metadata only: the row pool is allocated up front and counted at construction.
+  [[nodiscard]] std::size_t growth_bytes(std::uint32_t, std::int64_t, bool) const noexcept
+  {
+    return 0;
+  }
+  /// @brief Bytes allocated for rows (the whole pool).
+  [[nodiscard]] std::size_t bytes_in_use() const noexcept { return rows_.size() * sizeof(Index); }
+  /// @brief The host memory limit.
+  [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
+
+  /// @brief Makes room to record positions [0, rows) of `h`.
+  void reserve(std::uint32_t h, std::int64_t rows, bool)
+  {
+    auto& map = positions_[h];
+    if (static_cast<std::int64_t>(map.size()) < rows) {
+      map.resize(static_cast<std::size_t>(rows), slot_ref{});
+    }
+  }
+
+  /// @brief A new KV allocation of these blocks: their old rows become stale for everyone.
+  void refresh_blocks(std::span<const std::int64_t> blocks)
+  {
+    for (const std::int64_t b : blocks) {
+      ++generation_[static_cast<std::size_t>(b)];
+      std::fill_n(rows_.data() + b * block_size_ * row_elems_,
+                  block_size_ * row_elems_,
+                  index_traits<Index>::sentinel);
+    }
+  }
+
+  /// @brief Where the row of (`h`, `position`) at `slot` should be written, or nullptr when an
+  /// existing row stays (first write wins unless `replace`).
+  ///
+  /// If the position already has a valid row at another slot (recompute after preemption into new
+  /// blocks), that first row follows the position to its new slot.
+  [[nodiscard]] Index* claim(std::uint32_t h, std::int64_t position, std::int64_t slot, bool replace)
+  {
+    slot_ref& at    = positions_[h][static_cast<std::size_t>(position)];
+    Index* row      = rows_.data() + slot * row_elems_;
+    const auto gen  = generation_[block_of(slot)];
+    const Index* prior = valid_row(at);
+    at                 = slot_ref{slot, gen};
+    if (replace) { return row; }
+    if (prior != nullptr) {
+      if (prior != row) { std::memmove(row, prior, static_cast<std::size_t>(row_elems_) * sizeof(Index)); }
+      return nullptr;
+    }
+    // a row recorded at this slot in this generation by a request sharing the block stays too
+    return row[0] == index_traits<Index>::sentinel ? row : nullptr;
+  }
+
+  /// @brief Forgets the row of (`h`, `position`) (a rejected draft) if it is still current.
+  void erase(std::uint32_t h, std::int64_t position, std::int64_t slot)
+  {
+    slot_ref& at = positions_[h][static_cast<std::size_t>(position)];
+    if (at.slot == slot && valid_row(at) != nullptr) {
+      std::fill_n(rows_.data() + slot * row_elems_, row_elems_, index_traits<Index>::sentinel);
+    }
+    at = slot_ref{};
+  }
+
+  /// @brief Rows at slots are never contiguous per request.
+  [[nodiscard]] const Index* contiguous(std::uint32_t, std::int64_t, std::int64_t) const noexcept
+  {
+    return nullptr;
+  }
+
+  /// @brief Copies the row of (`h`, `position`) to `out`; false if missing or stale.
+  bool read(std::uint32_t h, std::int64_t position, Index* out) const
+  {
+    const auto& map = positions_[h];
+    if (position >= static_cast<std::int64_t>(map.size())) { return false; }
+    const Index* row = valid_row(map[static_cast<std::size_t>(position)]);
+    if (row == nullptr) { return false; }
+    std::memcpy(out, row, static_cast<std::size_t>(row_elems_) * sizeof(Index));
+    return true;
+  }
+
+ private:
+  struct slot_ref {
+    std::int64_t slot       = -1;
+    std::uint32_t generation = 0;
+  };
+
+  [[nodiscard]] std::size_t block_of(std::int64_t slot) const noexcept
+  {
+    return static_cast<std::size_t>(slot / block_size_);
+  }
+
+  /// @brief The row a reference points to if its block was not reused since and it holds routing.
+  [[nodiscard]] const Index* valid_row(const slot_ref& at) const noexcept
+  {
+    if (at.slot < 0 || generation_[block_of(at.slot)] != at.generation) { return nullptr; }
+    const Index* row = rows_.data() + at.slot * row_elems_;
+    return row[0] == index_traits<Index>::sentinel ? nullptr : row;
+  }
+
+  std::int64_t row_elems_;
+  std::int64_t block_size_;
+  std::int64_t num_slots_;
+  std::size_t limit_;
+  std::vector<Index> rows_;
+  std::vector<std::uint32_t> generation_;
+  std::vector<std::uint32_t> slot_stamp_;
+  std::uint32_t attempt_ = 0;
+  std::vector<std::vector<slot_ref>> positions_;
+};
+
+}  // namespace routing_replay::detail

@@ -1,0 +1,134 @@
+/// @file
+/// In-order worker queue and completion flag behind the host backend's streams and events.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+namespace routing_replay::detail {
+
+/// @brief A thread that runs enqueued tasks one at a time, in order: the host analogue of a
+/// CUDA stream. Work really runs asynchronously to the caller, so ordering bugs show up here.
+class host_queue {
+ public:
+  host_queue() : worker_([this] { run(); }) {}
+
+  host_queue(const host_queue&)            = delete;
+  host_queue& operator=(const host_queue&) = delete;
+
+  ~host_queue()
+  {
+    {
+      std::lock_guard lock{mutex_};
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    worker_.join();  // drains every task enqueued before destruction, as cudaStreamDestroy does
+  }
+
+  /// @brief Appends a task; it runs after every task enqueued before it.
+  void enqueue(std::function<void()> task)
+  {
+    {
+      std::lock_guard lock{mutex_};
+      tasks_.push_back(std::move(task));
+      ++enqueued_;
+    }
+    wake_.notify_all();
+  }
+
+  /// @brief Blocks until every task enqueued so far has run; rethrows the first task failure.
+  void synchronize()
+  {
+    std::unique_lock lock{mutex_};
+    const std::uint64_t target = enqueued_;
+    idle_.wait(lock, [&] { return completed_ >= target; });
+    if (failure_) { std::rethrow_exception(std::exchange(failure_, nullptr)); }
+  }
+
+ private:
+  void run()
+  {
+    std::unique_lock lock{mutex_};
+    for (;;) {
+      wake_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) { return; }
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      std::exception_ptr failure;
+      try {
+        task();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      lock.lock();
+      if (failure && !failure_) { failure_ = failure; }
+      ++completed_;
+      idle_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable idle_;
+  std::deque<std::function<void()>> tasks_;
+  std::uint64_t enqueued_  = 0;
+  std::uint64_t completed_ = 0;
+  std::exception_ptr failure_;
+  bool stopping_ = false;
+  std::thread worker_;  // last: starts after every other member is constructed
+};
+
+/// @brief A completion flag with CUDA event semantics: record() marks a point in a queue, and
+/// waiting on it waits for the most recent record to be reached.
+class completion_flag {
+ public:
+  /// @brief Host side of a record: the ticket that the matching queued task will complete.
+  std::uint64_t arm()
+  {
+    std::lock_guard lock{mutex_};
+    return ++recorded_;
+  }
+  /// @brief Queue side of a record: reached the ticket.
+  void complete(std::uint64_t ticket)
+  {
+    {
+      std::lock_guard lock{mutex_};
+      if (ticket > completed_) { completed_ = ticket; }
+    }
+    reached_.notify_all();
+  }
+  /// @brief The ticket of the latest record (0: never recorded).
+  std::uint64_t latest()
+  {
+    std::lock_guard lock{mutex_};
+    return recorded_;
+  }
+  /// @brief Whether the ticket has been reached.
+  bool reached(std::uint64_t ticket)
+  {
+    std::lock_guard lock{mutex_};
+    return completed_ >= ticket;
+  }
+  /// @brief Blocks until the ticket has been reached.
+  void wait(std::uint64_t ticket)
+  {
+    std::unique_lock lock{mutex_};
+    reached_.wait(lock, [&] { return completed_ >= ticket; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable reached_;
+  std::uint64_t recorded_  = 0;
+  std::uint64_t completed_ = 0;
+};
+
+}  // namespace routing_replay::detail

@@ -1,0 +1,114 @@
+/// @file
+/// Request bookkeeping shared by every storage: id lookup, handles, speculative draft groups.
+#pragma once
+
+#include <routing_replay/errors.hpp>
+#include <routing_replay/step_plan.hpp>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace routing_replay::detail {
+
+/// @brief The most draft tokens one request may carry in one step.
+inline constexpr std::int32_t max_draft_tokens = 32;
+
+/// @brief The trailing draft tokens of one scheduled request in one step, until accept_draft().
+///
+/// Tentative rows are filed like any other, but yield to any later write of their position and are
+/// erased if rejected. `accepted` may arrive before the rows are filed (deferred copies).
+struct draft_group {
+  std::uint64_t step_serial    = 0;
+  std::int64_t first_position  = 0;
+  std::int32_t count           = 0;
+  std::int32_t accepted        = -1;     ///< -1 until accept_draft()
+  bool filed                   = false;  ///< rows already scattered into storage
+  std::uint32_t owned          = 0;      ///< bit d: draft d's row was written by this group
+  std::array<std::int64_t, max_draft_tokens> slots{};  ///< slot of each draft (block-slot storage)
+
+  [[nodiscard]] bool owns(std::int64_t position) const noexcept
+  {
+    const std::int64_t d = position - first_position;
+    return d >= 0 && d < count && ((owned >> d) & 1u) != 0;
+  }
+};
+
+/// @brief Everything the library knows about one live request.
+struct request_state {
+  std::optional<request_id> id;    ///< engaged while the handle is live
+  std::uint32_t generation = 0;    ///< bumped on release/abort: in-flight rows of old uses skip
+  std::int64_t recorded_rows = 0;  ///< T: one past the highest committed position
+  std::int64_t prompt_length = -1;
+  std::uint64_t planned_attempt = 0;  ///< validation pass that last saw it in a plan
+  std::uint64_t open_step       = 0;  ///< serial of the step that schedules it (0: none open)
+  std::vector<draft_group> drafts;    ///< FIFO of draft groups not yet fully resolved
+};
+
+/// @brief Id to dense-handle registry. Handles are reused; generations tell uses apart.
+class request_registry {
+ public:
+  /// @brief Registers a new id; throws duplicate_request if it is live.
+  std::uint32_t add(request_key key)
+  {
+    if (ids_.find(key) != ids_.end()) {
+      throw error{errc::duplicate_request, "request " + key.to_string() + " was already added"};
+    }
+    std::uint32_t h = 0;
+    if (free_.empty()) {
+      h = static_cast<std::uint32_t>(states_.size());
+      states_.emplace_back();
+    } else {
+      h = free_.back();
+      free_.pop_back();
+    }
+    states_[h].id.emplace(key);
+    ids_.emplace(request_id{key}, h);
+    return h;
+  }
+
+  /// @brief The handle of a live id; throws unknown_request otherwise.
+  [[nodiscard]] std::uint32_t find(request_key key) const
+  {
+    const auto it = ids_.find(key);
+    if (it == ids_.end()) {
+      throw error{errc::unknown_request,
+                  "request " + key.to_string() + " is unknown (never added, or already released)"};
+    }
+    return it->second;
+  }
+
+  /// @brief Whether an id is live.
+  [[nodiscard]] bool contains(request_key key) const { return ids_.find(key) != ids_.end(); }
+
+  /// @brief Retires a handle: its state resets and its generation moves on.
+  void remove(std::uint32_t h)
+  {
+    auto& s = states_[h];
+    ids_.erase(ids_.find(s.id->key()));  // heterogeneous erase(key) is C++23
+    const std::uint32_t next_generation = s.generation + 1;
+    auto drafts                         = std::move(s.drafts);
+    drafts.clear();  // keep the capacity for the next use of the handle
+    s               = request_state{};
+    s.generation    = next_generation;
+    s.drafts        = std::move(drafts);
+    free_.push_back(h);
+  }
+
+  /// @brief State of a handle.
+  [[nodiscard]] request_state& operator[](std::uint32_t h) noexcept { return states_[h]; }
+  /// @brief State of a handle.
+  [[nodiscard]] const request_state& operator[](std::uint32_t h) const noexcept { return states_[h]; }
+  /// @brief Live requests.
+  [[nodiscard]] std::size_t size() const noexcept { return ids_.size(); }
+
+ private:
+  std::unordered_map<request_id, std::uint32_t, request_hash, request_equal> ids_;
+  std::vector<request_state> states_;
+  std::vector<std::uint32_t> free_;
+};
+
+}  // namespace routing_replay::detail

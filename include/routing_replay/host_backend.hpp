@@ -1,0 +1,177 @@
+/// @file
+/// The host backend: device memory is host memory, streams are in-order worker threads and events
+/// are completion flags. It runs the same policies as the CUDA backend on machines without a GPU,
+/// with the same asynchrony.
+#pragma once
+
+#include <routing_replay/detail/host_queue.hpp>
+#include <routing_replay/errors.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace routing_replay {
+
+class host_stream;
+
+/// @brief Non-owning, trivially copyable handle to a host_stream; what the library's calls take.
+class host_stream_ref {
+ public:
+  /// @brief Refers to a stream; the stream must outlive every use of the reference.
+  host_stream_ref(host_stream& stream) noexcept;  // NOLINT: implicit, like cuda::stream_ref
+
+  /// @brief The queue behind the stream.
+  [[nodiscard]] detail::host_queue& queue() const noexcept { return *queue_; }
+  /// @brief Two references to one stream compare equal.
+  friend bool operator==(host_stream_ref, host_stream_ref) = default;
+
+ private:
+  detail::host_queue* queue_;
+};
+
+/// @brief An owning host stream: a worker thread that runs enqueued work in order.
+class host_stream {
+ public:
+  host_stream() : queue_(std::make_unique<detail::host_queue>()) {}
+
+  /// @brief Enqueues a task.
+  void enqueue(std::function<void()> task) { queue_->enqueue(std::move(task)); }
+  /// @brief Waits for every task enqueued so far.
+  void synchronize() { queue_->synchronize(); }
+  /// @brief A non-owning reference.
+  [[nodiscard]] host_stream_ref ref() noexcept { return host_stream_ref{*this}; }
+
+ private:
+  friend class host_stream_ref;
+  std::unique_ptr<detail::host_queue> queue_;
+};
+
+inline host_stream_ref::host_stream_ref(host_stream& stream) noexcept : queue_(stream.queue_.get())
+{
+}
+
+/// @brief An owning host event (move-only). Recording it on a stream marks the work enqueued so far.
+class host_event {
+ public:
+  host_event() : flag_(std::make_shared<detail::completion_flag>()) {}
+
+ private:
+  friend struct host_backend;
+  // shared with queued tasks, so destroying an event with pending records is safe, as in CUDA
+  std::shared_ptr<detail::completion_flag> flag_;
+};
+
+/// @brief Backend policy for machines without a GPU (tests, CI, the demo, CPU-expert engines).
+///
+/// "Device" memory is ordinary host memory, so kernels are loops that run on the stream's worker
+/// thread. Every asynchronous operation really is asynchronous.
+struct host_backend {
+  /// @brief Non-owning stream handle taken by every asynchronous call.
+  using stream_ref = host_stream_ref;
+  /// @brief Owning stream, for side streams the library creates itself.
+  using stream = host_stream;
+  /// @brief Owning event.
+  using event = host_event;
+  /// @brief Memory that kernels read and write.
+  template <class T>
+  using device_vector = std::vector<T>;
+  /// @brief Host memory that asynchronous copies may target.
+  template <class T>
+  using pinned_vector = std::vector<T>;
+
+  /// @brief Human-readable name.
+  static constexpr const char* name = "host";
+
+  /// @brief Always true: the host is always there.
+  [[nodiscard]] static bool available() noexcept { return true; }
+
+  /// @brief Raw pointer to the first element of a device or pinned vector.
+  template <class Vector>
+  [[nodiscard]] static auto* data(Vector& v) noexcept
+  {
+    return v.data();
+  }
+
+  /// @brief Enqueues a strided 2-D copy of `height` rows of `width` bytes.
+  static void copy_2d_async(void* dst,
+                            std::size_t dst_pitch,
+                            const void* src,
+                            std::size_t src_pitch,
+                            std::size_t width,
+                            std::size_t height,
+                            stream_ref stream)
+  {
+    if (width == 0 || height == 0) { return; }
+    stream.queue().enqueue([=] {
+      for (std::size_t r = 0; r < height; ++r) {
+        std::memcpy(static_cast<unsigned char*>(dst) + r * dst_pitch,
+                    static_cast<const unsigned char*>(src) + r * src_pitch,
+                    width);
+      }
+    });
+  }
+
+  /// @brief Enqueues a 1-D copy of `bytes` bytes.
+  static void copy_async(void* dst, const void* src, std::size_t bytes, stream_ref stream)
+  {
+    copy_2d_async(dst, bytes, src, bytes, bytes, 1, stream);
+  }
+
+  /// @brief Enqueues a strided 2-D byte fill.
+  static void fill_2d_async(void* dst,
+                            std::size_t pitch,
+                            unsigned char value,
+                            std::size_t width,
+                            std::size_t height,
+                            stream_ref stream)
+  {
+    if (width == 0 || height == 0) { return; }
+    stream.queue().enqueue([=] {
+      for (std::size_t r = 0; r < height; ++r) {
+        std::memset(static_cast<unsigned char*>(dst) + r * pitch, value, width);
+      }
+    });
+  }
+
+  /// @brief Enqueues `op(i)` for every i in [0, n): the host analogue of a kernel launch.
+  template <class Op>
+  static void bulk_async(std::int64_t n, Op op, stream_ref stream)
+  {
+    if (n <= 0) { return; }
+    stream.queue().enqueue([=] {
+      for (std::int64_t i = 0; i < n; ++i) {
+        op(i);
+      }
+    });
+  }
+
+  /// @brief Marks the work enqueued on `stream` so far.
+  static void record(event& e, stream_ref stream)
+  {
+    const std::uint64_t ticket = e.flag_->arm();
+    stream.queue().enqueue([flag = e.flag_, ticket] { flag->complete(ticket); });
+  }
+
+  /// @brief Makes later work on `stream` wait for the latest record of `e` (none: no wait).
+  static void wait(stream_ref stream, const event& e)
+  {
+    const std::uint64_t ticket = e.flag_->latest();
+    if (ticket == 0) { return; }
+    stream.queue().enqueue([flag = e.flag_, ticket] { flag->wait(ticket); });
+  }
+
+  /// @brief Whether the latest record of `e` has completed.
+  [[nodiscard]] static bool ready(const event& e) { return e.flag_->reached(e.flag_->latest()); }
+
+  /// @brief Blocks the calling thread until the latest record of `e` has completed.
+  static void synchronize(const event& e) { e.flag_->wait(e.flag_->latest()); }
+
+  /// @brief Blocks the calling thread until `stream` has run everything enqueued so far.
+  static void synchronize(stream_ref stream) { stream.queue().synchronize(); }
+};
+
+}  // namespace routing_replay

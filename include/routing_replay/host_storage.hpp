@@ -1,0 +1,53 @@
+/// @file
+/// Host-storage policy: where rows are filed on the host until a request is extracted.
+#pragma once
+
+#include <routing_replay/detail/block_slot_store.hpp>
+#include <routing_replay/detail/per_request_store.hpp>
+
+#include <concepts>
+#include <cstdint>
+
+namespace routing_replay {
+
+/// @brief Each request owns one contiguous, lazily grown array of rows at its positions.
+///
+/// Extraction is a zero-copy view. Growth is amortised and capped at max_model_len rows; the total
+/// is bounded by replay_config::host_memory_limit.
+struct per_request_storage {
+  /// @brief The storage implementation for an index type.
+  template <class Index>
+  using store = detail::per_request_store<Index>;
+  /// @brief Human-readable name.
+  static constexpr const char* name = "per_request";
+};
+
+/// @brief Rows live at KV-cache slots (block_id * block_size + offset) in one preallocated pool.
+///
+/// Prefix-cache hits and preemption keep rows with their KV blocks; a per-block generation makes
+/// rows of a reallocated block read as missing. Extraction gathers a request's rows.
+struct block_slot_storage {
+  /// @brief The storage implementation for an index type.
+  template <class Index>
+  using store = detail::block_slot_store<Index>;
+  /// @brief Human-readable name.
+  static constexpr const char* name = "block_slot";
+};
+
+/// @brief A host-storage policy: names a store that files rows (claim/erase/read), reserves
+/// capacity ahead of the scatter, and accounts its bytes against the memory limit.
+template <class S>
+concept host_storage = requires(typename S::template store<std::int16_t>& store,
+                                const typename S::template store<std::int16_t>& cstore,
+                                std::uint32_t h,
+                                std::int64_t position,
+                                std::int16_t* row) {
+  { S::template store<std::int16_t>::slot_indexed } -> std::convertible_to<bool>;
+  { store.claim(h, position, position, true) } -> std::same_as<std::int16_t*>;
+  store.erase(h, position, position);
+  { cstore.read(h, position, row) } -> std::same_as<bool>;
+  { cstore.bytes_in_use() } -> std::convertible_to<std::size_t>;
+  store.reserve(h, position, true);
+};
+
+}  // namespace routing_replay

@@ -1,0 +1,201 @@
+/// @file
+/// Request ids and the per-step plan an engine hands to begin_step().
+#pragma once
+
+#include <routing_replay/errors.hpp>
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace routing_replay {
+
+/// @brief A non-owning request id, integer or string, as engines have them.
+///
+/// Plans and lookups take this view so that scheduling a string-id request allocates nothing.
+class request_key {
+ public:
+  /// @brief An integer request id.
+  template <std::integral Int>
+  request_key(Int id) noexcept : value_(static_cast<std::int64_t>(id))  // NOLINT: implicit by design
+  {
+  }
+  /// @brief A string request id; the characters must outlive the key.
+  request_key(std::string_view id) noexcept : value_(id) {}  // NOLINT: implicit by design
+  /// @brief A string request id; the string must outlive the key.
+  request_key(const std::string& id) noexcept : value_(std::string_view{id}) {}  // NOLINT
+  /// @brief A string request id; the characters must outlive the key.
+  request_key(const char* id) noexcept : value_(std::string_view{id}) {}  // NOLINT
+
+  /// @brief Whether the id is an integer.
+  [[nodiscard]] bool is_integer() const noexcept { return value_.index() == 0; }
+  /// @brief The integer id; only valid when is_integer().
+  [[nodiscard]] std::int64_t integer() const noexcept { return *std::get_if<0>(&value_); }
+  /// @brief The string id; only valid when !is_integer().
+  [[nodiscard]] std::string_view string() const noexcept { return *std::get_if<1>(&value_); }
+
+  /// @brief The id as it appears in error messages: 42 or 'chat-7'.
+  [[nodiscard]] std::string to_string() const
+  {
+    return is_integer() ? std::to_string(integer()) : "'" + std::string{string()} + "'";
+  }
+
+  /// @brief Equality of kind and value.
+  friend bool operator==(const request_key&, const request_key&) = default;
+
+ private:
+  std::variant<std::int64_t, std::string_view> value_;
+};
+
+/// @brief An owning request id (integer or string), as stored by the library.
+class request_id {
+ public:
+  /// @brief Copies the id a key refers to.
+  explicit request_id(request_key key)
+  {
+    if (key.is_integer()) {
+      value_ = key.integer();
+    } else {
+      value_ = std::string{key.string()};
+    }
+  }
+  /// @brief A non-owning view of this id.
+  [[nodiscard]] request_key key() const noexcept
+  {
+    if (value_.index() == 0) { return request_key{*std::get_if<0>(&value_)}; }
+    return request_key{std::string_view{*std::get_if<1>(&value_)}};
+  }
+  /// @brief The id as it appears in error messages.
+  [[nodiscard]] std::string to_string() const { return key().to_string(); }
+
+ private:
+  std::variant<std::int64_t, std::string> value_;
+};
+
+/// @brief Heterogeneous hash over request_id and request_key, so lookups never build a request_id.
+struct request_hash {
+  using is_transparent = void;  ///< enables heterogeneous lookup in unordered containers
+  /// @brief Hash of a key.
+  [[nodiscard]] std::size_t operator()(request_key key) const noexcept
+  {
+    // distinct salts keep the integer 7 and the string "7" apart
+    return key.is_integer() ? std::hash<std::int64_t>{}(key.integer()) * 0x9E3779B97F4A7C15ull
+                            : std::hash<std::string_view>{}(key.string()) ^ 0x5bd1e995ull;
+  }
+  /// @brief Hash of an owning id.
+  [[nodiscard]] std::size_t operator()(const request_id& id) const noexcept
+  {
+    return (*this)(id.key());
+  }
+};
+
+/// @brief Heterogeneous equality over request_id and request_key.
+struct request_equal {
+  using is_transparent = void;  ///< enables heterogeneous lookup in unordered containers
+  /// @brief Equality of two ids in any combination of owning and non-owning forms.
+  template <class A, class B>
+  [[nodiscard]] bool operator()(const A& a, const B& b) const noexcept
+  {
+    return as_key(a) == as_key(b);
+  }
+
+ private:
+  static request_key as_key(request_key k) noexcept { return k; }
+  static request_key as_key(const request_id& id) noexcept { return id.key(); }
+};
+
+/// @brief One scheduled request of a step, in batch order.
+///
+/// Its tokens occupy the next num_tokens rows of the step and sit at positions
+/// first_position .. first_position + num_tokens - 1 of the request. Positions come from the engine
+/// and are never derived from counters, so engines that schedule ahead of the GPU stay exact.
+struct scheduled_request {
+  /// @brief The request, as given to add_request().
+  request_key id;
+  /// @brief Position of the first token of this request in this step.
+  std::int64_t first_position = 0;
+  /// @brief Tokens of this request in this step (chunk of a prefill, 1 for decode, 1 + drafts...).
+  std::int32_t num_tokens = 0;
+  /// @brief How many of the trailing tokens are speculative drafts awaiting verification; their
+  /// rows stay tentative until accept_draft() says how many were accepted.
+  std::int32_t num_draft_tokens = 0;
+  /// @brief Block-slot storage: the KV slot of each token (block_id * block_size + offset); one
+  /// per token. Ignored by per-request storage. Must stay valid until begin_step() returns.
+  std::span<const std::int64_t> slots{};
+};
+
+/// @brief The plan of one engine step: what each row of the device buffer belongs to.
+///
+/// Rows are numbered in batch order: the first scheduled request's tokens come first. Build one plan
+/// object and reuse it (clear()) so that steady-state steps allocate nothing.
+class step_plan {
+ public:
+  /// @brief One run of consecutive rows: a scheduled request, or tokens that are not recorded.
+  struct entry {
+    scheduled_request request;  ///< the request (unused when skipped)
+    std::int64_t first_row;     ///< row of the step where this run starts
+    bool skipped;               ///< rows of requests that did not opt in: never stored
+  };
+
+  /// @brief Appends a request's tokens to the step.
+  void schedule(const scheduled_request& request)
+  {
+    entries_.push_back(entry{request, num_rows_, false});
+    num_rows_ += request.num_tokens;
+  }
+
+  /// @brief Appends tokens of requests that did not ask for routing: they occupy rows of the
+  /// forward but cost nothing on the host.
+  void skip(std::int32_t num_tokens)
+  {
+    entries_.push_back(entry{scheduled_request{request_key{std::int64_t{0}}, 0, num_tokens, 0, {}},
+                             num_rows_,
+                             true});
+    num_rows_ += num_tokens;
+  }
+
+  /// @brief Block-slot storage: KV blocks newly allocated for this step. Their previous rows
+  /// (from an evicted prefix or a finished request) become stale before this step's rows land.
+  /// Engines know these ids from their block allocator (vLLM's new_block_ids, for instance).
+  void add_fresh_blocks(std::span<const std::int64_t> block_ids)
+  {
+    fresh_blocks_.insert(fresh_blocks_.end(), block_ids.begin(), block_ids.end());
+  }
+
+  /// @brief Empties the plan, keeping its capacity.
+  void clear() noexcept
+  {
+    entries_.clear();
+    fresh_blocks_.clear();
+    num_rows_ = 0;
+  }
+
+  /// @brief N: rows (tokens) of the step.
+  [[nodiscard]] std::int64_t num_rows() const noexcept { return num_rows_; }
+  /// @brief The runs of the step, in batch order.
+  [[nodiscard]] std::span<const entry> entries() const noexcept { return entries_; }
+  /// @brief Blocks declared freshly allocated for this step.
+  [[nodiscard]] std::span<const std::int64_t> fresh_blocks() const noexcept { return fresh_blocks_; }
+
+ private:
+  std::vector<entry> entries_;
+  std::vector<std::int64_t> fresh_blocks_;
+  std::int64_t num_rows_ = 0;
+};
+
+/// @brief Options of add_request().
+struct request_options {
+  /// @brief Prompt length, used to split extraction into prompt and generation rows; -1 if unknown.
+  std::int64_t prompt_length = -1;
+  /// @brief Prefix-cache hit: the KV slots that already hold positions [0, cached_slots.size()).
+  /// Block-slot storage serves those rows from the slots; per-request storage has no rows for
+  /// them, so they read as missing (sentinel).
+  std::span<const std::int64_t> cached_slots{};
+};
+
+}  // namespace routing_replay

@@ -1,0 +1,51 @@
+/// @file
+/// Compile-time checks of every policy concept; included by a g++ and an nvcc translation unit so
+/// both compilers agree (nvcc has had concept bugs).
+#pragma once
+
+#include <routing_replay/routing_replay.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace rr_test::concept_checks {
+
+namespace rr = routing_replay;
+
+static_assert(rr::expert_index<std::uint8_t> && rr::expert_index<std::uint16_t> &&
+              rr::expert_index<std::int16_t> && rr::expert_index<std::int32_t>);
+static_assert(!rr::expert_index<bool> && !rr::expert_index<std::int64_t> && !rr::expert_index<float>);
+static_assert(rr::source_index<std::int64_t> && rr::source_index<std::int32_t> &&
+              rr::source_index<std::int16_t> && !rr::source_index<double>);
+
+static_assert(rr::buffer_layout<rr::layer_major> && rr::buffer_layout<rr::token_major>);
+static_assert(!rr::buffer_layout<cuda::std::layout_left>);
+
+static_assert(rr::copy_strategy<rr::sync_copy>);
+static_assert(!rr::copy_strategy<int>);
+
+static_assert(rr::host_storage<rr::per_request_storage> && rr::host_storage<rr::block_slot_storage>);
+static_assert(!rr::host_storage<rr::sync_copy>);
+
+static_assert(rr::backend<rr::host_backend>);
+static_assert(!rr::backend<rr::per_request_storage>);
+
+// sentinels: a missing row never reads as a valid expert id, and every byte of one is 0xFF
+static_assert(rr::index_traits<std::uint8_t>::sentinel == 255 && rr::index_traits<std::uint8_t>::max_experts == 255);
+static_assert(rr::index_traits<std::uint16_t>::sentinel == 65535 && rr::index_traits<std::uint16_t>::max_experts == 65535);
+static_assert(rr::index_traits<std::int16_t>::sentinel == -1 && rr::index_traits<std::int16_t>::max_experts == 32768);
+static_assert(rr::index_traits<std::int32_t>::sentinel == -1);
+
+// the device reference goes to kernels by value
+static_assert(std::is_trivially_copyable_v<rr::device_ref<std::int16_t, rr::layer_major>>);
+static_assert(std::is_trivially_copyable_v<rr::device_ref<std::uint8_t, rr::token_major>>);
+
+// the owning object is move-only
+using replay = rr::RoutingReplay<rr::host_backend>;
+static_assert(std::is_nothrow_move_constructible_v<replay> && !std::is_copy_constructible_v<replay>);
+
+// the layer view meets FlashInfer's routing_replay_out contract with layer_major + int16
+static_assert(std::is_same_v<replay::layer_view_type::layout_type, cuda::std::layout_right>);
+static_assert(std::is_same_v<replay::layer_view_type::element_type, std::int16_t>);
+
+}  // namespace rr_test::concept_checks

@@ -1,0 +1,293 @@
+/// @file
+/// Drives a RoutingReplay of any policy combination and the reference model through the same
+/// simulated engine, and checks every extraction bit-exact. Backend-generic: the router and the
+/// three capture paths run as bulk "kernels" on the backend's stream.
+#pragma once
+
+#include "engine_sim.hpp"
+#include "reference_model.hpp"
+#include "synthetic_router.hpp"
+
+#include <routing_replay/routing_replay.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace rr_test {
+
+/// @brief Shape of the replay under test (small, so many schedules run quickly).
+struct harness_shape {
+  std::int32_t num_experts              = 120;
+  std::int32_t top_k                    = 4;
+  std::int32_t num_fused_shared_experts = 1;
+  std::vector<std::int32_t> moe_layers  = {1, 2, 4};
+  std::int32_t num_model_layers         = 5;
+  bool overwrite                        = false;
+  std::int32_t max_padding              = 8;  ///< extra rows written past N, as CUDA-graph padding
+};
+
+/// @brief The capture path a layer uses in a step.
+enum class capture_path { capture_int64, capture_int32, capture_int16, layer_view, device_ref };
+
+/// @brief Runs one randomized schedule; throws doctest failures on the first mismatch.
+template <class RR>
+class replay_harness {
+ public:
+  using backend = typename RR::backend_type;
+  using index   = typename RR::index_type;
+  static constexpr bool slot_storage = std::is_same_v<typename RR::storage_type,
+                                                      routing_replay::block_slot_storage>;
+
+  replay_harness(const sim_config& sim, const harness_shape& shape, std::uint64_t seed)
+    : sim_cfg_(sim),
+      shape_(shape),
+      config_(make_config(sim, shape)),
+      lib_(config_),
+      model_(slot_storage, shape.overwrite, sim.block_size, sim.num_blocks,
+             static_cast<std::int64_t>(shape.moe_layers.size()) * shape.top_k),
+      engine_(sim, seed),
+      rng_(seed * 7919 + 17),
+      meta_host_(static_cast<std::size_t>(sim.max_tokens_per_step)),
+      meta_dev_(static_cast<std::size_t>(sim.max_tokens_per_step)),
+      ids64_(scratch_size()),
+      ids32_(scratch_size()),
+      ids16_(scratch_size())
+  {
+  }
+
+  /// @brief Replaces the per-step forward (the CUDA-graph test replays a recorded one).
+  void set_forward(std::function<void(std::int64_t)> forward) { forward_ = std::move(forward); }
+
+  /// @brief Steps the engine until every request is done (or `max_steps`), checking as it goes.
+  void run(std::int32_t max_steps = 400)
+  {
+    for (std::int32_t step = 0; step < max_steps && !engine_.done(); ++step) {
+      one_step();
+    }
+    for (const std::int32_t number : engine_.abort_all()) {
+      const auto key = engine_.requests()[static_cast<std::size_t>(number)].key();
+      lib_.abort(key);
+      model_.remove(key);
+    }
+    CHECK(lib_.num_requests() == 0);
+    CHECK(rows_checked_ > 0);
+  }
+
+  /// @brief Records `num_rows` rows of every layer, each layer through a randomly chosen path.
+  void forward_layers(std::int64_t num_rows)
+  {
+    for (std::size_t slot = 0; slot < shape_.moe_layers.size(); ++slot) {
+      forward_layer(static_cast<std::int32_t>(slot), random_path(), num_rows);
+    }
+  }
+
+  /// @brief Records one layer through one path.
+  void forward_layer(std::int32_t slot, capture_path path, std::int64_t num_rows)
+  {
+    const std::int32_t model_layer = shape_.moe_layers[static_cast<std::size_t>(slot)];
+    const std::int32_t k           = shape_.top_k;
+    const std::int64_t e           = shape_.num_experts;
+    const row_meta* meta           = backend::data(meta_dev_);
+    auto s                         = stream_ref();
+    switch (path) {
+      case capture_path::capture_int64: capture_through(ids64_, slot, model_layer, num_rows); break;
+      case capture_path::capture_int32: capture_through(ids32_, slot, model_layer, num_rows); break;
+      case capture_path::capture_int16: capture_through(ids16_, slot, model_layer, num_rows); break;
+      case capture_path::layer_view: {
+        auto view = lib_.layer_view(model_layer, num_rows);
+        backend::bulk_async(num_rows * k, write_layer_view<decltype(view)>{meta, view, k, slot, e}, s);
+        break;
+      }
+      case capture_path::device_ref: {
+        auto ref = lib_.ref(num_rows);
+        backend::bulk_async(num_rows * k, record_through_ref<decltype(ref)>{meta, ref, k, slot, e}, s);
+        break;
+      }
+    }
+  }
+
+  /// @brief The library under test.
+  RR& library() noexcept { return lib_; }
+  /// @brief The stream every step runs on.
+  typename backend::stream_ref stream_ref() noexcept { return stream_.ref(); }
+  /// @brief Rows compared so far.
+  [[nodiscard]] std::int64_t rows_checked() const noexcept { return rows_checked_; }
+
+ private:
+  static routing_replay::replay_config make_config(const sim_config& sim, const harness_shape& shape)
+  {
+    routing_replay::replay_config c;
+    c.num_experts              = shape.num_experts;
+    c.top_k                    = shape.top_k;
+    c.num_fused_shared_experts = shape.num_fused_shared_experts;
+    c.max_tokens_per_step      = sim.max_tokens_per_step;
+    c.max_model_len            = sim.max_model_len;
+    c.moe_layers               = shape.moe_layers;
+    c.num_model_layers         = shape.num_model_layers;
+    c.block_size               = sim.block_size;
+    c.num_blocks               = sim.num_blocks;
+    c.overwrite_recomputed_rows = shape.overwrite;
+    return c;
+  }
+
+  [[nodiscard]] std::size_t scratch_size() const
+  {
+    return static_cast<std::size_t>(sim_cfg_.max_tokens_per_step) *
+           static_cast<std::size_t>(shape_.top_k + shape_.num_fused_shared_experts);
+  }
+
+  capture_path random_path()
+  {
+    return static_cast<capture_path>(std::uniform_int_distribution<int>{0, 4}(rng_));
+  }
+
+  template <class Vector>
+  void capture_through(Vector& ids, std::int32_t slot, std::int32_t model_layer, std::int64_t num_rows)
+  {
+    using source               = typename Vector::value_type;
+    const std::int64_t stride  = shape_.top_k + shape_.num_fused_shared_experts;
+    source* out                = backend::data(ids);
+    backend::bulk_async(num_rows * stride,
+                        write_router_output<source>{backend::data(meta_dev_), out, stride,
+                                                    shape_.top_k, slot, shape_.num_experts},
+                        stream_ref());
+    lib_.capture(model_layer, static_cast<const source*>(out), num_rows, stream_ref());
+  }
+
+  void one_step()
+  {
+    auto step = engine_.next_step();
+    for (const auto& [number, cached] : step.prefixes) {
+      const auto& r = engine_.requests()[static_cast<std::size_t>(number)];
+      if (std::find(step.added.begin(), step.added.end(), number) != step.added.end()) {
+        lib_.add_request(r.key(), {r.prompt_len, cached});
+        model_.add_request(r.key(), r.prompt_len, cached);
+      } else {
+        lib_.add_cached_prefix(r.key(), cached);
+        model_.add_cached_prefix(r.key(), cached);
+      }
+    }
+
+    const std::int64_t n = step.plan.num_rows();
+    std::int64_t padded  = n;
+    if (shape_.max_padding > 0) {
+      padded = std::min<std::int64_t>(n + std::uniform_int_distribution<std::int64_t>{0, shape_.max_padding}(rng_),
+                                      sim_cfg_.max_tokens_per_step);
+    }
+    for (std::int64_t i = 0; i < padded; ++i) {
+      meta_host_[static_cast<std::size_t>(i)] =
+        i < n ? step.rows[static_cast<std::size_t>(i)] : row_meta{-2, i, -1};  // padding rows
+    }
+    auto s = stream_ref();
+    lib_.begin_step(step.plan, s);
+    ++serial_;
+    backend::copy_async(backend::data(meta_dev_), meta_host_.data(),
+                        static_cast<std::size_t>(padded) * sizeof(row_meta), s);
+    if (forward_) {
+      forward_(padded);
+    } else {
+      forward_layers(padded);
+    }
+    lib_.end_step(s);
+    backend::synchronize(s);  // the engine reads back its sampled tokens
+    model_.file_step(step.plan, serial_, [&](std::int64_t row) { return expected_row(step.rows[static_cast<std::size_t>(row)]); });
+
+    const auto outcome = engine_.complete_step(step);
+    for (const auto& [number, accepted] : outcome.accepts) {
+      const auto key = engine_.requests()[static_cast<std::size_t>(number)].key();
+      lib_.accept_draft(key, accepted);
+      model_.accept_draft(key, accepted);
+    }
+    for (const std::int32_t number : outcome.finished) {
+      const auto key = engine_.requests()[static_cast<std::size_t>(number)].key();
+      compare(key, routing_replay::extract_options{});
+      lib_.release(key);
+      model_.remove(key);
+    }
+    for (const std::int32_t number : outcome.aborted) {
+      const auto key = engine_.requests()[static_cast<std::size_t>(number)].key();
+      lib_.abort(key);
+      model_.remove(key);
+    }
+    if (engine_.chance(0.3)) {  // mid-flight extraction of a live request, from an offset
+      const std::int32_t number = engine_.some_running();
+      if (number >= 0) {
+        const auto key           = engine_.requests()[static_cast<std::size_t>(number)].key();
+        const std::int64_t rows  = model_.recorded_rows(key);
+        routing_replay::extract_options o;
+        o.start_position = engine_.uniform(0, rows);
+        o.end_position   = engine_.uniform(o.start_position, rows);
+        compare(key, o);
+      }
+    }
+  }
+
+  [[nodiscard]] std::vector<index> expected_row(const row_meta& m) const
+  {
+    std::vector<index> row;
+    for (std::size_t slot = 0; slot < shape_.moe_layers.size(); ++slot) {
+      for (std::int32_t k = 0; k < shape_.top_k; ++k) {
+        row.push_back(static_cast<index>(
+          routed_expert(m, static_cast<std::int32_t>(slot), k, shape_.num_experts)));
+      }
+    }
+    return row;
+  }
+
+  void compare(routing_replay::request_key key, const routing_replay::extract_options& o)
+  {
+    const std::int64_t recorded = model_.recorded_rows(key);
+    REQUIRE(lib_.recorded_rows(key) == recorded);
+    const std::int64_t end = o.end_position < 0 ? recorded : o.end_position;
+    const auto expected    = model_.extract(key, o.start_position, end);
+    const auto got         = lib_.extract(key, o);
+    REQUIRE(got.num_rows() == end - o.start_position);
+    REQUIRE(got.first_position() == o.start_position);
+    REQUIRE(got.prompt_length() == model_.prompt_length(key));
+    const auto flat = got.flat();
+    REQUIRE(flat.size() == expected.size());
+    const std::int64_t row_size = lib_.row_size();
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      if (flat[i] != expected[i]) {
+        std::ostringstream where;
+        where << "request " << key.to_string() << " position "
+              << o.start_position + static_cast<std::int64_t>(i) / row_size << " element "
+              << static_cast<std::int64_t>(i) % row_size << ": got " << +flat[i] << ", expected "
+              << +expected[i];
+        FAIL(where.str());
+      }
+    }
+    if (engine_.chance(0.25)) {  // the copying path agrees with the view
+      std::vector<index> copy(expected.size());
+      REQUIRE(lib_.extract_into(key, copy, o) == end - o.start_position);
+      REQUIRE(copy == expected);
+    }
+    rows_checked_ += end - o.start_position;
+  }
+
+  sim_config sim_cfg_;
+  harness_shape shape_;
+  routing_replay::replay_config config_;
+  RR lib_;
+  reference_model<index> model_;
+  engine_sim engine_;
+  std::mt19937_64 rng_;
+  typename backend::stream stream_;
+  typename backend::template pinned_vector<row_meta> meta_host_;
+  typename backend::template device_vector<row_meta> meta_dev_;
+  typename backend::template device_vector<std::int64_t> ids64_;
+  typename backend::template device_vector<std::int32_t> ids32_;
+  typename backend::template device_vector<std::int16_t> ids16_;
+  std::function<void(std::int64_t)> forward_;
+  std::uint64_t serial_       = 0;
+  std::int64_t rows_checked_  = 0;
+};
+
+}  // namespace rr_test

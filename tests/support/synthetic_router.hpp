@@ -1,0 +1,91 @@
+/// @file
+/// A deterministic stand-in for a MoE router, runnable on any backend, plus the functors that
+/// feed each of the three capture paths.
+#pragma once
+
+#include <routing_replay/detail/macros.hpp>
+
+#include <cstdint>
+
+namespace rr_test {
+
+/// @brief Which request and position a row of the step belongs to; `salt` changes on every step
+/// so a recomputed position routes differently and first-write-wins is observable.
+struct row_meta {
+  std::int64_t request  = -1;
+  std::int64_t position = 0;
+  std::int64_t salt     = 0;
+};
+
+/// @brief The expert the synthetic router picks for (row, captured layer, column).
+ROUTING_REPLAY_HOST_DEVICE inline std::int64_t routed_expert(const row_meta& m,
+                                                             std::int32_t layer,
+                                                             std::int32_t column,
+                                                             std::int64_t num_experts) noexcept
+{
+  std::uint64_t x = static_cast<std::uint64_t>(m.request + 3) * 0x9E3779B97F4A7C15ull;
+  x ^= static_cast<std::uint64_t>(m.position + 1) * 0xBF58476D1CE4E5B9ull;
+  x ^= static_cast<std::uint64_t>(m.salt + 7) * 0x94D049BB133111EBull;
+  x ^= static_cast<std::uint64_t>(layer * 131 + column * 17 + 1);
+  x ^= x >> 31;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 32;
+  return static_cast<std::int64_t>(x % static_cast<std::uint64_t>(num_experts));
+}
+
+/// @brief Path (a): writes a router output [rows, stride] of `Source`, as torch.topk would; the
+/// columns past K (fused shared experts) hold an invalid id that capture() must skip.
+template <class Source>
+struct write_router_output {
+  const row_meta* meta;
+  Source* out;
+  std::int64_t stride;
+  std::int32_t top_k;
+  std::int32_t layer;
+  std::int64_t num_experts;
+
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  {
+    const std::int64_t row    = i / stride;
+    const auto column         = static_cast<std::int32_t>(i % stride);
+    out[i] = static_cast<Source>(column < top_k ? routed_expert(meta[row], layer, column, num_experts)
+                                                : num_experts + 3);
+  }
+};
+
+/// @brief Path (b): a "fused MoE kernel" writing its routing straight into a layer view.
+template <class View>
+struct write_layer_view {
+  const row_meta* meta;
+  View view;
+  std::int32_t top_k;
+  std::int32_t layer;
+  std::int64_t num_experts;
+
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  {
+    const std::int64_t row = i / top_k;
+    const auto column      = static_cast<std::int32_t>(i % top_k);
+    view(row, column) =
+      static_cast<typename View::value_type>(routed_expert(meta[row], layer, column, num_experts));
+  }
+};
+
+/// @brief Path (c): an engine's own top-k kernel recording through the device reference.
+template <class Ref>
+struct record_through_ref {
+  const row_meta* meta;
+  Ref ref;
+  std::int32_t top_k;
+  std::int32_t layer;
+  std::int64_t num_experts;
+
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  {
+    const auto row    = static_cast<std::int32_t>(i / top_k);
+    const auto column = static_cast<std::int32_t>(i % top_k);
+    ref.record(layer, row, column, routed_expert(meta[row], layer, column, num_experts));
+  }
+};
+
+}  // namespace rr_test
