@@ -42,12 +42,12 @@ template <expert_index Index>
 [[nodiscard]] std::string to_npy(std::span<const Index> data, std::span<const std::int64_t> shape)
 {
   std::int64_t elems = 1;
-  std::string dims;
-  for (const std::int64_t d : shape) {
-    elems *= d;
-    dims += std::to_string(d) + ", ";
+  std::string dims;  // Python tuple syntax: "(T, L, K)", and "(T,)" for one dimension
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    elems *= shape[i];
+    dims += (i == 0 ? "" : ", ") + std::to_string(shape[i]);
   }
-  if (shape.size() > 1) { dims.resize(dims.size() - 1); }  // "(T, L, K)" but "(T,)"
+  if (shape.size() == 1) { dims += ","; }
   if (static_cast<std::int64_t>(data.size()) != elems) {
     throw error{errc::invalid_argument,
                 "to_npy: " + std::to_string(data.size()) + " elements do not fill shape (" + dims + ")"};

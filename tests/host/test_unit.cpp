@@ -1,0 +1,304 @@
+// Deterministic scenarios for each contract of DESIGN.md section 4, on the host backend.
+#include "../support/error_checks.hpp"
+#include "../support/small_replay.hpp"
+
+#include <routing_replay/routing_replay.hpp>
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace rr = routing_replay;
+using rr_test::plan_for;
+using rr_test::small_replay;
+using rr_test::small_row;
+
+using per_request_replay = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major,
+                                             rr::sync_copy, rr::per_request_storage>;
+using block_slot_replay  = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major,
+                                             rr::sync_copy, rr::block_slot_storage>;
+
+namespace {
+
+template <class T>
+std::vector<T> concat(std::initializer_list<std::vector<T>> parts)
+{
+  std::vector<T> out;
+  for (const auto& p : parts) { out.insert(out.end(), p.begin(), p.end()); }
+  return out;
+}
+
+std::vector<std::int16_t> missing_row() { return std::vector<std::int16_t>(4, -1); }
+
+}  // namespace
+
+TEST_CASE("both layouts index (layer, token, k) as documented")
+{
+  std::vector<int> storage(2 * 3 * 4);
+  rr::buffer_mdspan<int, rr::token_major> token{storage.data(), 2, 3, 4};
+  rr::buffer_mdspan<int, rr::layer_major> layer{storage.data(), 2, 3, 4};
+  CHECK(&token(1, 2, 3) - storage.data() == (2 * 2 + 1) * 4 + 3);  // token row contiguous
+  CHECK(&layer(1, 2, 3) - storage.data() == (1 * 3 + 2) * 4 + 3);  // layer slab contiguous
+  CHECK(token.mapping().stride(0) == 4);
+  CHECK(token.mapping().stride(1) == 8);
+  CHECK(token.mapping().stride(2) == 1);
+  CHECK(token.mapping().required_span_size() == 24);
+  CHECK(token.is_exhaustive());
+}
+
+TEST_CASE("request ids: integers and strings never alias")
+{
+  small_replay<per_request_replay> s;
+  s.rr().add_request(7);
+  s.rr().add_request("7");
+  CHECK(s.rr().num_requests() == 2);
+  CHECK(s.rr().contains(7));
+  CHECK(s.rr().contains(std::string{"7"}));
+  CHECK_FALSE(s.rr().contains(8));
+}
+
+TEST_CASE("capture narrows once, skips fused shared columns, maps physical ids, takes a DP span")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  s.rr().begin_step(plan_for(1, 0, 2, slots), s.stream());
+  // rows of 4 columns: 2 routed, 2 shared (garbage); this rank's rows start at row 1
+  const std::vector<std::int64_t> physical = {-9, -9, -9, -9,  5, 6, 77, 77,  4, 3, 77, 77};
+  const std::vector<std::int32_t> to_logical = {0, 7, 6, 5, 4, 3, 2};  // physical -> logical
+  rr::capture_options o;
+  o.source_row_stride    = 4;
+  o.source_row_offset    = 1;
+  o.physical_to_logical  = to_logical.data();
+  o.num_physical_experts = static_cast<std::int64_t>(to_logical.size());
+  s.rr().capture(1, physical.data(), 2, s.stream(), o);
+  const std::vector<std::int32_t> logical = {1, 2, 99, 3, 4, 99};  // int32, K + 1 shared column
+  s.rr().capture(2, logical.data(), 2, s.stream());
+  s.end_step();
+  CHECK(s.rows(1) == std::vector<std::int16_t>{3, 2, 1, 2, 4, 5, 3, 4});
+}
+
+TEST_CASE("rows of requests that did not opt in are not stored")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots = {0, 1};
+  s.rr().add_request(1);
+  rr::step_plan plan;
+  plan.skip(3);
+  plan.schedule({1, 0, 2, 0, slots});
+  s.step(plan, 4);
+  CHECK(s.rr().recorded_rows(1) == 2);
+  CHECK(s.rows(1) == concat<std::int16_t>({small_row<std::int16_t>(3, 4), small_row<std::int16_t>(4, 4)}));
+}
+
+TEST_CASE("per-request storage: zero-copy views, amortised growth capped at max_model_len")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1, {3});
+  for (std::int64_t first = 0; first < 32; first += 8) { s.step(plan_for(1, first, 8, slots), first); }
+  const auto a = s.rr().extract(1);
+  const auto b = s.rr().extract(1, {.start_position = 5});
+  CHECK(a.is_view());
+  CHECK(a.flat().data() + 5 * 4 == b.flat().data());  // both view the same storage
+  CHECK(s.rr().host_bytes() == 32 * 4 * sizeof(std::int16_t));  // 16 rows, then capped at 32
+  CHECK(a.prompt_rows().extent(0) == 3);
+  CHECK(a.generation_rows().extent(0) == 29);
+  CHECK(b.prompt_rows().extent(0) == 0);
+  CHECK(b.generation_rows().extent(0) == 27);
+  CHECK(a.count_missing_rows() == 0);
+}
+
+TEST_CASE("extraction options: offsets, clipping, prompt split, dense layers")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1, {2});
+  s.step(plan_for(1, 0, 4, slots), 0);
+  const auto clipped = s.rr().extract(1, {.start_position = 1, .end_position = 3, .prompt_length = 2});
+  CHECK(clipped.num_rows() == 2);
+  CHECK(clipped.first_position() == 1);
+  CHECK(clipped.prompt_rows().extent(0) == 1);
+  CHECK(clipped.rows()(1, 1, 0) == small_row<std::int16_t>(2, 0)[2]);
+
+  const auto dense = s.rr().extract(1, {.include_dense_layers = true});
+  CHECK_FALSE(dense.is_view());
+  CHECK(dense.num_layers() == 3);
+  for (std::int64_t t = 0; t < 4; ++t) {
+    const auto expected = small_row<std::int16_t>(t, 0);
+    CHECK(dense.rows()(t, 0, 0) == -1);  // model layer 0 is dense
+    CHECK(dense.rows()(t, 0, 1) == -1);
+    CHECK(dense.rows()(t, 1, 0) == expected[0]);
+    CHECK(dense.rows()(t, 2, 1) == expected[3]);
+  }
+}
+
+TEST_CASE_TEMPLATE("preemption with recompute: first write wins unless overwrite", RR,
+                   per_request_replay, block_slot_replay)
+{
+  for (const bool overwrite : {false, true}) {
+    CAPTURE(overwrite);
+    auto c                      = rr_test::small_config();
+    c.overwrite_recomputed_rows = overwrite;
+    small_replay<RR> s{c};
+    std::vector<std::int64_t> slots;
+    s.rr().add_request(1);
+    s.step(plan_for(1, 0, 3, slots), 1);
+    // recompute positions 0..2 (same slots) with a new salt
+    s.step(plan_for(1, 0, 3, slots), 2);
+    const auto salt = overwrite ? 2 : 1;
+    CHECK(s.rows(1) == concat<std::int16_t>({small_row<std::int16_t>(0, salt), small_row<std::int16_t>(1, salt),
+                                             small_row<std::int16_t>(2, salt)}));
+  }
+}
+
+TEST_CASE_TEMPLATE("speculative drafts: accepted prefix kept, rejected rows gone", RR, per_request_replay,
+                   block_slot_replay)
+{
+  small_replay<RR> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  s.step(plan_for(1, 0, 2, slots), 1);
+  s.step(plan_for(1, 2, 4, slots, 3), 2);  // token 2 + drafts 3, 4, 5
+  CHECK(s.rr().recorded_rows(1) == 3);
+  rr_test::expect_error([&] { (void)s.rr().extract(1); }, rr::errc::draft_error,
+                        {"3 unresolved draft token(s)"});
+  rr_test::expect_error([&] { s.rr().accept_draft(1, 4); }, rr::errc::draft_error, {"accepted 4 of 3"});
+  s.rr().accept_draft(1, 1);  // draft 3 accepted; 4 and 5 rejected
+  CHECK(s.rr().recorded_rows(1) == 4);
+  // the rejected positions are recomputed later with other routing, which must land
+  s.step(plan_for(1, 4, 2, slots), 3);
+  const auto r = s.rows(1);
+  CHECK(r == concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(1, 1),
+                                   small_row<std::int16_t>(0, 2), small_row<std::int16_t>(1, 2),
+                                   small_row<std::int16_t>(0, 3), small_row<std::int16_t>(1, 3)}));
+}
+
+TEST_CASE_TEMPLATE("a tentative draft row yields to a later write of its position", RR, per_request_replay,
+                   block_slot_replay)
+{
+  small_replay<RR> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  s.step(plan_for(1, 0, 3, slots, 2), 1);  // token 0 + drafts 1, 2; acceptance not known yet
+  s.step(plan_for(1, 1, 1, slots), 2);     // an engine that rescheduled position 1 meanwhile
+  s.rr().accept_draft(1, 0);               // both drafts rejected: position 1 keeps the later row
+  CHECK(s.rr().recorded_rows(1) == 2);
+  CHECK(s.rows(1) == concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(0, 2)}));
+}
+
+TEST_CASE("block-slot storage: prefix hits, stale rows after block reuse, shared-block recompute")
+{
+  small_replay<block_slot_replay> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  s.step(plan_for(1, 0, 8, slots), 1);  // blocks 0 and 1 hold positions 0..7
+  s.rr().release(1);
+
+  // request 2 hits block 0 as a cached prefix of 4 positions, then recomputes position 4 in block 1
+  const std::int64_t cached[] = {0, 1, 2, 3};
+  s.rr().add_request(2, {.cached_slots = cached});
+  std::vector<std::int64_t> slot4 = {4};
+  rr::step_plan plan;
+  plan.schedule({2, 4, 1, 0, slot4});
+  s.step(plan, 2);
+  // position 4's slot already held request 1's row in this block generation: the first row stays
+  CHECK(s.rows(2) == concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(1, 1),
+                                           small_row<std::int16_t>(2, 1), small_row<std::int16_t>(3, 1),
+                                           small_row<std::int16_t>(4, 1)}));
+
+  // block 0 is reallocated to request 3: request 2's cached rows there become stale, not foreign
+  s.rr().add_request(3);
+  const std::int64_t fresh[] = {0};
+  rr::step_plan plan3 = plan_for(3, 0, 2, slots);
+  plan3.add_fresh_blocks(fresh);
+  s.step(plan3, 3);
+  const auto stale = s.rr().extract(2);
+  CHECK(stale.count_missing_rows() == 4);
+  CHECK(std::vector<std::int16_t>(stale.flat().begin(), stale.flat().begin() + 4) == missing_row());
+  CHECK(std::vector<std::int16_t>(stale.flat().begin() + 16, stale.flat().end()) == small_row<std::int16_t>(4, 1));
+  CHECK(s.rows(3) == concat<std::int16_t>({small_row<std::int16_t>(0, 3), small_row<std::int16_t>(1, 3)}));
+}
+
+TEST_CASE("block-slot storage: a first row follows its position to a new slot after preemption")
+{
+  small_replay<block_slot_replay> s;
+  std::vector<std::int64_t> slots = {8, 9};
+  s.rr().add_request(1);
+  rr::step_plan first;
+  first.schedule({1, 0, 2, 0, slots});
+  s.step(first, 1);
+  // preempted; recomputed into block 3 (slots 12, 13) while block 2 still holds the first rows
+  std::vector<std::int64_t> moved = {12, 13};
+  const std::int64_t fresh[]      = {3};
+  rr::step_plan again;
+  again.schedule({1, 0, 2, 0, moved});
+  again.add_fresh_blocks(fresh);
+  s.step(again, 2);
+  // block 2 is then reused: the rows live on at their new slots
+  s.rr().add_request(2);
+  const std::int64_t fresh2[] = {2};
+  const std::int64_t slot8[]  = {8};
+  rr::step_plan other;
+  other.schedule({2, 0, 1, 0, slot8});
+  other.add_fresh_blocks(fresh2);
+  s.step(other, 3);
+  CHECK(s.rows(1) == concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(1, 1)}));
+}
+
+TEST_CASE("per-request storage reads prefix-cache positions as missing")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots;
+  const std::int64_t cached[] = {0, 1, 2};
+  s.rr().add_request(1, {.prompt_length = 5, .cached_slots = cached});
+  CHECK(s.rr().recorded_rows(1) == 3);
+  s.step(plan_for(1, 3, 2, slots), 1);
+  const auto r = s.rr().extract(1);
+  CHECK(r.count_missing_rows() == 3);
+  CHECK(std::vector<std::int16_t>(r.flat().begin() + 12, r.flat().end()) ==
+        concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(1, 1)}));
+}
+
+TEST_CASE("CUDA-graph padding rows past N are reset, so they never pass for a later step's rows")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  s.rr().begin_step(plan_for(1, 0, 2, slots), s.stream());
+  s.forward(6, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 5; });  // 4 pad rows
+  s.end_step();
+  // next step: 5 rows, but layer 2 writes only 2 of them; rows 2..4 held padding last step
+  s.rr().begin_step(plan_for(1, 2, 5, slots), s.stream());
+  s.forward(5, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 5; }, 1);
+  auto view = s.rr().layer_view(2, 2);
+  per_request_replay::backend_type::bulk_async(
+    4, [view](std::int64_t i) { view(i / 2, i % 2) = 1; }, s.stream());
+  rr_test::expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"layer 2", "position 4"});
+}
+
+TEST_CASE("host backend: streams run in order, asynchronously; events order streams")
+{
+  rr::host_stream a;
+  rr::host_stream b;
+  rr::host_event done;
+  std::atomic<int> value{0};
+  std::atomic<bool> release{false};
+  rr::host_backend::bulk_async(1, [&](std::int64_t) {
+    while (!release.load()) { std::this_thread::yield(); }
+    value = 1;
+  }, a.ref());
+  rr::host_backend::record(done, a.ref());
+  rr::host_backend::wait(b.ref(), done);
+  int seen = -1;
+  rr::host_backend::bulk_async(1, [&](std::int64_t) { seen = value.load(); }, b.ref());
+  CHECK_FALSE(rr::host_backend::ready(done));  // the caller was not blocked: work is in flight
+  release = true;
+  rr::host_backend::synchronize(b.ref());
+  CHECK(seen == 1);  // b's task ran after a's, through the event
+  CHECK(rr::host_backend::ready(done));
+}
