@@ -188,7 +188,7 @@ class replay_harness {
     auto s = stream_ref();
     lib_.begin_step(step.plan, s);
     ++serial_;
-    backend::copy_async(backend::data(meta_dev_), meta_host_.data(),
+    backend::copy_async(backend::data(meta_dev_), backend::data(meta_host_),
                         static_cast<std::size_t>(padded) * sizeof(row_meta), s);
     if (forward_) {
       forward_(padded);

@@ -67,7 +67,7 @@ class small_replay {
         }
       }
     }
-    backend::copy_async(backend::data(device_ids_), host_ids_.data(),
+    backend::copy_async(backend::data(device_ids_), backend::data(host_ids_),
                         host_ids_.size() * sizeof(std::int64_t), stream());
     for (std::size_t slot = 0; slot < config_.moe_layers.size(); ++slot) {
       if (static_cast<std::int32_t>(slot) == skip_slot) { continue; }

@@ -1,0 +1,108 @@
+// CUDA-only checks: the concepts under nvcc, device-detected errors through real kernels, and a
+// forward recorded once into a CUDA graph and replayed with new ids every step. Returns 77 (CTest:
+// skipped) when no GPU is present.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include "../support/concept_checks.hpp"
+#include "../support/error_checks.hpp"
+#include "../support/harness.hpp"
+
+#include <routing_replay/routing_replay.cuh>
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <vector>
+
+namespace rr = routing_replay;
+
+static_assert(rr::backend<rr::cuda_backend>);
+static_assert(std::is_trivially_copyable_v<rr::RoutingReplay<rr::cuda_backend>::ref_type>);
+
+namespace {
+
+void check(cudaError_t status)
+{
+  INFO(cudaGetErrorString(status));
+  REQUIRE(status == cudaSuccess);
+}
+
+/// Records the forward once (one layer per capture path, all N_max rows, as graph padding does)
+/// and replays it for every step of a randomized schedule.
+template <class RR>
+void run_graph_schedule(std::uint64_t seed)
+{
+  rr_test::sim_config sim = rr_test::schedule_for_seed(seed);
+  rr_test::harness_shape shape;
+  shape.max_padding = 0;
+  rr_test::replay_harness<RR> h{sim, shape, seed};
+  const cudaStream_t stream = h.stream_ref().get();
+
+  cudaGraph_t graph = nullptr;
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  h.forward_layer(0, rr_test::capture_path::capture_int64, sim.max_tokens_per_step);
+  h.forward_layer(1, rr_test::capture_path::layer_view, sim.max_tokens_per_step);
+  h.forward_layer(2, rr_test::capture_path::device_ref, sim.max_tokens_per_step);
+  check(cudaStreamEndCapture(stream, &graph));
+
+  // router + capture() for layer 0, one fused "MoE kernel" each for layers 1 and 2: the library
+  // added exactly one kernel (capture) and nothing for the view and the in-kernel recorder
+  std::size_t num_nodes = 0;
+  check(cudaGraphGetNodes(graph, nullptr, &num_nodes));
+  std::vector<cudaGraphNode_t> nodes(num_nodes);
+  check(cudaGraphGetNodes(graph, nodes.data(), &num_nodes));
+  std::size_t kernels = 0;
+  for (auto node : nodes) {
+    cudaGraphNodeType type{};
+    check(cudaGraphNodeGetType(node, &type));
+    kernels += type == cudaGraphNodeTypeKernel ? 1 : 0;
+  }
+  CHECK(num_nodes == 4);
+  CHECK(kernels == 4);
+
+  cudaGraphExec_t exec = nullptr;
+  check(cudaGraphInstantiate(&exec, graph, 0));
+  h.set_forward([&](std::int64_t) { check(cudaGraphLaunch(exec, stream)); });
+  h.run();
+  CHECK(h.rows_checked() > 0);
+  check(cudaGraphExecDestroy(exec));
+  check(cudaGraphDestroy(graph));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("CUDA: device-detected problems discard the step and lose nothing", RR,
+                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::sync_copy,
+                                     rr::per_request_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major, rr::sync_copy,
+                                     rr::block_slot_storage>)
+{
+  rr_test::check_device_detected_errors<RR>();
+}
+
+TEST_CASE_TEMPLATE("CUDA graph: a forward recorded once, replayed with new ids, every row checked", RR,
+                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::sync_copy,
+                                     rr::per_request_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::sync_copy,
+                                     rr::block_slot_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major, rr::sync_copy,
+                                     rr::per_request_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::int32_t, rr::token_major, rr::sync_copy,
+                                     rr::block_slot_storage>)
+{
+  for (std::uint64_t seed : {1u, 4u}) {
+    CAPTURE(seed);
+    run_graph_schedule<RR>(seed);
+  }
+}
+
+int main(int argc, char** argv)
+{
+  if (!rr::cuda_backend::available()) {
+    std::puts("gpu_tests: no CUDA device found; skipping (exit code 77)");
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) { std::printf("gpu_tests on %s\n", prop.name); }
+  doctest::Context context{argc, argv};
+  return context.run();
+}
