@@ -2,11 +2,20 @@
 /// Backend policy: where the device buffer lives and how asynchronous work is ordered.
 #pragma once
 
+#include <routing_replay/detail/macros.hpp>
+
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 
 namespace routing_replay {
+
+namespace detail {
+/// @brief A do-nothing kernel body, to check that a backend can launch functors.
+struct probe_kernel {
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t) const noexcept {}
+};
+}  // namespace detail
 
 /// @brief A backend: stream and event types plus the few asynchronous operations the library
 /// issues (copies, fills, a bulk "kernel" launch, event record/wait/query).
@@ -16,13 +25,16 @@ namespace routing_replay {
 template <class B>
 concept backend = requires(typename B::stream_ref stream,
                            typename B::event& event,
+                           typename B::template device_vector<int>& device,
+                           typename B::template pinned_vector<int>& pinned,
                            void* dst,
                            const void* src,
                            std::size_t bytes) {
   typename B::stream;
-  typename B::template device_vector<int>;
-  typename B::template pinned_vector<int>;
   { B::available() } -> std::same_as<bool>;
+  { B::data(device) } -> std::same_as<int*>;
+  { B::data(pinned) } -> std::same_as<int*>;
+  B::bulk_async(std::int64_t{1}, detail::probe_kernel{}, stream);
   B::copy_async(dst, src, bytes, stream);
   B::copy_2d_async(dst, bytes, src, bytes, bytes, bytes, stream);
   B::fill_2d_async(dst, bytes, static_cast<unsigned char>(0), bytes, bytes, stream);

@@ -153,7 +153,8 @@ struct host_backend {
   static void record(event& e, stream_ref stream)
   {
     const std::uint64_t ticket = e.flag_->arm();
-    stream.queue().enqueue([flag = e.flag_, ticket] { flag->complete(ticket); });
+    detail::host_queue* queue  = &stream.queue();  // alive while its own task runs
+    queue->enqueue([flag = e.flag_, ticket, queue] { flag->complete(ticket, queue->take_failure()); });
   }
 
   /// @brief Makes later work on `stream` wait for the latest record of `e` (none: no wait).
@@ -168,10 +169,36 @@ struct host_backend {
   [[nodiscard]] static bool ready(const event& e) { return e.flag_->reached(e.flag_->latest()); }
 
   /// @brief Blocks the calling thread until the latest record of `e` has completed.
-  static void synchronize(const event& e) { e.flag_->wait(e.flag_->latest()); }
+  /// @throws error backend_error if a task enqueued before the record failed
+  static void synchronize(const event& e)
+  {
+    e.flag_->wait(e.flag_->latest());
+    rethrow_as_backend_error(e.flag_->take_failure());
+  }
 
   /// @brief Blocks the calling thread until `stream` has run everything enqueued so far.
-  static void synchronize(stream_ref stream) { stream.queue().synchronize(); }
+  /// @throws error backend_error if one of those tasks failed
+  static void synchronize(stream_ref stream)
+  {
+    try {
+      stream.queue().synchronize();
+    } catch (...) {
+      rethrow_as_backend_error(std::current_exception());
+    }
+  }
+
+ private:
+  static void rethrow_as_backend_error(const std::exception_ptr& failure)
+  {
+    if (!failure) { return; }
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      throw error{errc::backend_error, std::string{"a task on a host stream failed: "} + e.what()};
+    } catch (...) {
+      throw error{errc::backend_error, "a task on a host stream failed"};
+    }
+  }
 };
 
 }  // namespace routing_replay

@@ -7,6 +7,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <span>
 
 namespace routing_replay {
 
@@ -34,20 +35,33 @@ struct block_slot_storage {
   static constexpr const char* name = "block_slot";
 };
 
-/// @brief A host-storage policy: names a store that files rows (claim/erase/read), reserves
-/// capacity ahead of the scatter, and accounts its bytes against the memory limit.
+/// @brief A host-storage policy: names a store that opens and closes requests, validates and
+/// reserves ahead of the scatter (so filing never fails), files rows (claim/erase), serves them
+/// (contiguous/read) and accounts its bytes against the memory limit.
 template <class S>
 concept host_storage = requires(typename S::template store<std::int16_t>& store,
                                 const typename S::template store<std::int16_t>& cstore,
                                 std::uint32_t h,
                                 std::int64_t position,
+                                std::span<const std::int64_t> slots,
                                 std::int16_t* row) {
   { S::template store<std::int16_t>::slot_indexed } -> std::convertible_to<bool>;
+  store.open(h);
+  store.close(h);
+  cstore.check_slot_range(slots);
+  store.bind_cached(h, slots);
+  store.begin_validation();
+  store.check_slots(slots, std::int32_t{1});
+  cstore.check_blocks(slots);
+  { cstore.growth_bytes(h, position, true) } -> std::convertible_to<std::size_t>;
+  store.reserve(h, position, true);
+  store.refresh_blocks(slots);
   { store.claim(h, position, position, true) } -> std::same_as<std::int16_t*>;
   store.erase(h, position, position);
+  { cstore.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
   { cstore.read(h, position, row) } -> std::same_as<bool>;
   { cstore.bytes_in_use() } -> std::convertible_to<std::size_t>;
-  store.reserve(h, position, true);
+  { cstore.limit() } -> std::convertible_to<std::size_t>;
 };
 
 }  // namespace routing_replay

@@ -103,13 +103,17 @@ class routed_experts {
   /// @brief Whether this is a zero-copy view of host storage.
   [[nodiscard]] bool is_view() const noexcept { return owned_.empty() && rows_ > 0; }
 
-  /// @brief Rows that hold no routing (all sentinel): never recorded, or stale. O(T).
+  /// @brief Rows that hold no routing at all (every id the sentinel): never recorded, or stale.
+  /// Dense-layer groups of an include_dense_layers extraction do not make a row missing. O(T L K).
   [[nodiscard]] std::int64_t count_missing_rows() const noexcept
   {
-    std::int64_t missing   = 0;
     const std::int64_t row = layers_ * top_k_;
+    std::int64_t missing   = 0;
     for (std::int64_t t = 0; t < rows_; ++t) {
-      missing += (row > 0 && data_[t * row] == index_traits<Index>::sentinel) ? 1 : 0;
+      const Index* first = data_ + t * row;
+      missing += std::all_of(first, first + row, [](Index v) { return v == index_traits<Index>::sentinel; })
+                   ? 1
+                   : 0;
     }
     return missing;
   }

@@ -70,6 +70,10 @@ template <backend Backend,
 class RoutingReplay {
   using traits     = index_traits<Index>;
   using store_type = typename Storage::template store<Index>;
+  static_assert(Copy::ring_depth == 1 && !Copy::uses_side_stream &&
+                  Copy::timing == scatter_timing::at_end_of_step,
+                "this version of the copy pipeline implements synchronous strategies only "
+                "(ring_depth 1, compute stream, scatter at end of step)");
 
  public:
   using backend_type  = Backend;   ///< the backend policy
@@ -210,7 +214,8 @@ class RoutingReplay {
     }
   }
 
-  /// @brief A finished request's routing, rows [start_position, end_position).
+  /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any
+  /// live request may be extracted (rows of an open step are not included).
   ///
   /// Per-request storage returns a zero-copy view (unless include_dense_layers); block-slot
   /// storage gathers a copy. Missing or stale rows hold the sentinel.
@@ -297,7 +302,13 @@ class RoutingReplay {
     // past this point nothing throws a library error: the step is committed
     in_flight& slot = ring_[next_slot_];
     build_scatter_plan(plan, slot.plan);
-    in_step_ = true;
+    if (dirty_outside_steps_) {
+      // a forward ran outside any step (warm-up, profiling): its rows must not pass for this step's
+      enqueue_reset(std::max(rows_outside_steps_, plan.num_rows()), compute);
+      dirty_outside_steps_ = false;
+    }
+    rows_this_step_ = 0;
+    in_step_        = true;
     if constexpr (Copy::uses_side_stream) { Backend::wait(compute, last_copy_event()); }
   }
 
@@ -314,15 +325,30 @@ class RoutingReplay {
     in_step_        = false;
     in_flight& slot = ring_[next_slot_];
     next_slot_      = (next_slot_ + 1) % ring_.size();
-    enqueue_copy(slot, compute);
-    static_assert(Copy::timing == scatter_timing::at_end_of_step,
-                  "only scatter_timing::at_end_of_step is implemented");
-    Backend::synchronize(slot.copied);
+    try {
+      enqueue_copy(slot, compute);
+      Backend::synchronize(slot.copied);
+    } catch (...) {
+      discard(slot.plan);  // the backend failed: the step's rows never arrive
+      throw;
+    }
     file(slot);
   }
 
   /// @brief Files every step still in flight (nothing is in flight with sync_copy).
   void drain() {}
+
+  /// @brief Resets every row capture paths were handed to the sentinel, on `stream`. Needed only
+  /// when an engine replays a recorded forward outside any step (a warm-up graph replay); capture
+  /// calls made outside a step are reset automatically at the next begin_step().
+  void reset_device_buffer(stream_ref stream)
+  {
+    if (in_step_) {
+      throw error{errc::invalid_state, "reset_device_buffer inside an open step would erase it"};
+    }
+    enqueue_reset(std::max<std::int64_t>(rows_outside_steps_, config_.max_tokens_per_step), stream);
+    dirty_outside_steps_ = false;
+  }
   /// @}
 
   // ---------------------------------------------------------------------------------------------
@@ -428,7 +454,7 @@ class RoutingReplay {
       std::vector<run> runs;
       std::vector<std::int64_t> slots;
       std::vector<std::int64_t> fresh_blocks;
-      std::vector<std::int64_t> skipped_rows;  // first row and count of each skipped run, flat
+      std::int64_t padded_rows = -1;  // rows the forward writes, if the plan declared them
     } plan;
   };
 
@@ -533,7 +559,11 @@ class RoutingReplay {
 
   void check_rows_argument(std::int64_t num_rows, const char* what) const
   {
-    if (num_rows < 0 || num_rows > config_.max_tokens_per_step) {
+    if (num_rows < 0) {
+      throw error{errc::invalid_argument,
+                  std::string{what} + ": negative row count " + std::to_string(num_rows)};
+    }
+    if (num_rows > config_.max_tokens_per_step) {
       throw error{errc::too_many_tokens,
                   std::string{what} + ": " + std::to_string(num_rows) +
                     " rows, outside [0, max_tokens_per_step = " +
@@ -541,11 +571,39 @@ class RoutingReplay {
     }
   }
 
-  // Rows a capture path may write beyond the step's N (CUDA-graph padding) are reset too, so no
-  // stale row can ever pass for this step's routing.
+  // Every row a capture path may write is reset after the step, so no stale row can ever pass for
+  // a later step's routing. Rows handed out while no step is open (CUDA-graph recording, warm-up
+  // forwards) are written by later replays that the host never sees: they count for every step
+  // unless a plan declares its padded rows.
   void note_rows_written(std::int64_t num_rows) noexcept
   {
-    rows_high_water_ = std::max(rows_high_water_, num_rows);
+    if (in_step_) {
+      rows_this_step_ = std::max(rows_this_step_, num_rows);
+    } else {
+      rows_outside_steps_ = std::max(rows_outside_steps_, num_rows);
+      dirty_outside_steps_ = true;
+    }
+  }
+
+  [[nodiscard]] std::int64_t rows_to_reset(const typename in_flight::plan_type& plan) const noexcept
+  {
+    const std::int64_t replayed = plan.padded_rows >= 0 ? plan.padded_rows : rows_outside_steps_;
+    return std::max({plan.num_rows, rows_this_step_, replayed});
+  }
+
+  // Fills rows [0, rows) of every layer of D with the sentinel, on `stream`.
+  void enqueue_reset(std::int64_t rows, stream_ref stream)
+  {
+    const std::size_t k_bytes = static_cast<std::size_t>(config_.top_k) * sizeof(Index);
+    Index* d                  = Backend::data(buffer_);
+    if constexpr (layout_traits<Layout>::token_rows_contiguous) {
+      const std::size_t bytes = static_cast<std::size_t>(rows * row_elems_) * sizeof(Index);
+      Backend::fill_2d_async(d, bytes, traits::sentinel_byte, bytes, 1, stream);
+    } else {
+      Backend::fill_2d_async(d, static_cast<std::size_t>(config_.max_tokens_per_step) * k_bytes,
+                             traits::sentinel_byte, static_cast<std::size_t>(rows) * k_bytes,
+                             static_cast<std::size_t>(num_layers_), stream);
+    }
   }
 
   // -- planning -----------------------------------------------------------------------------------
@@ -612,18 +670,14 @@ class RoutingReplay {
     ++step_serial_;
     out.serial   = step_serial_;
     out.num_rows = plan.num_rows();
+    out.padded_rows = plan.padded_rows();
     out.runs.clear();
     out.slots.clear();
-    out.skipped_rows.clear();
     out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());
     auto handle = planned_handles_.begin();
     for (const auto& entry : plan.entries()) {
       const scheduled_request& s = entry.request;
-      if (entry.skipped) {
-        out.skipped_rows.push_back(entry.first_row);
-        out.skipped_rows.push_back(s.num_tokens);
-        continue;
-      }
+      if (entry.skipped) { continue; }
       const std::uint32_t h = *handle++;
       auto& r               = requests_[h];
       store_.reserve(h, s.first_position + s.num_tokens, exact_growth_);
@@ -685,34 +739,41 @@ class RoutingReplay {
       }
     }
     Backend::copy_async(Backend::data(slot.status), status, sizeof(detail::step_status), stream);
-    const auto reset_rows = static_cast<std::size_t>(std::max<std::int64_t>(n, rows_high_water_));
-    if constexpr (layout_traits<Layout>::token_rows_contiguous) {
-      const std::size_t bytes = reset_rows * static_cast<std::size_t>(row_elems_) * sizeof(Index);
-      Backend::fill_2d_async(d, bytes, traits::sentinel_byte, bytes, 1, stream);
-    } else {
-      Backend::fill_2d_async(d, rows_cap * k_bytes, traits::sentinel_byte, reset_rows * k_bytes,
-                             static_cast<std::size_t>(num_layers_), stream);
-    }
+    enqueue_reset(rows_to_reset(slot.plan), stream);
     Backend::fill_2d_async(status, sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, stream);
     Backend::record(slot.copied, stream);
   }
 
   // -- filing -------------------------------------------------------------------------------------
 
-  // The staging holds the step; the device verdict decides whether it is stored at all.
-  void file(in_flight& slot)
+  // What happens to a step whatever its verdict: its KV blocks were allocated, its requests are no
+  // longer in an open step.
+  void close_out(const typename in_flight::plan_type& plan)
   {
-    auto& plan = slot.plan;
-    store_.refresh_blocks(plan.fresh_blocks);  // the KV allocation happened whatever our verdict
+    store_.refresh_blocks(plan.fresh_blocks);
     for (const auto& run : plan.runs) {
       auto& r = requests_[run.handle];
       if (r.generation == run.generation && r.open_step == plan.serial) { r.open_step = 0; }
     }
+  }
+
+  // A step whose rows will never be filed.
+  void discard(const typename in_flight::plan_type& plan)
+  {
+    close_out(plan);
+    drop_drafts_of(plan);
+  }
+
+  // The staging holds the step; the device verdict decides whether it is stored at all.
+  void file(in_flight& slot)
+  {
+    const auto& plan                  = slot.plan;
     const detail::step_status& status = *Backend::data(slot.status);
     if (!status.clean()) {
-      drop_drafts_of(plan);
+      discard(plan);
       throw error{status_error_code(status), describe(status, plan)};
     }
+    close_out(plan);
     const Index* staging = Backend::data(slot.staging);
     for (const auto& run : plan.runs) {
       auto& r = requests_[run.handle];
@@ -740,7 +801,8 @@ class RoutingReplay {
       const bool draft            = d >= 0 && group != nullptr;
       if (draft && group->accepted >= 0 && d >= group->accepted) { continue; }  // already rejected
       const bool tentative = draft && group->accepted < 0;
-      const bool replace   = config_.overwrite_recomputed_rows || take_over_draft(r, position);
+      const bool taken     = take_over_draft(r, position);  // always: ownership must move
+      const bool replace   = taken || config_.overwrite_recomputed_rows;
       if (Index* row = store_.claim(run.handle, position, slot, replace)) {
         copy_row(staging, plan.num_rows, run.first_row + i, row);
         if (tentative) { group->owned |= 1u << d; }
@@ -947,7 +1009,9 @@ class RoutingReplay {
   detail::request_registry requests_;
   std::uint64_t step_serial_     = 0;
   std::uint64_t attempt_         = 0;
-  std::int64_t rows_high_water_  = 0;
+  std::int64_t rows_this_step_     = 0;  // rows capture paths were handed in the open step
+  std::int64_t rows_outside_steps_ = 0;  // most rows handed out while no step was open
+  bool dirty_outside_steps_        = false;
   bool exact_growth_             = false;
   bool in_step_                  = false;
 };

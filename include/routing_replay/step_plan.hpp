@@ -22,6 +22,7 @@ class request_key {
  public:
   /// @brief An integer request id.
   template <std::integral Int>
+    requires(!std::same_as<Int, bool>)
   request_key(Int id) noexcept : value_(static_cast<std::int64_t>(id))  // NOLINT: implicit by design
   {
   }
@@ -167,12 +168,19 @@ class step_plan {
     fresh_blocks_.insert(fresh_blocks_.end(), block_ids.begin(), block_ids.end());
   }
 
+  /// @brief Declares how many rows the forward writes, padding included (a CUDA graph recorded
+  /// for a padded batch writes all of its rows). The rows past N are reset after the step; without
+  /// a declaration the library resets the most rows any capture path was handed outside a step,
+  /// which is always safe but may reset more than this step wrote.
+  void set_padded_rows(std::int64_t rows) noexcept { padded_rows_ = rows; }
+
   /// @brief Empties the plan, keeping its capacity.
   void clear() noexcept
   {
     entries_.clear();
     fresh_blocks_.clear();
-    num_rows_ = 0;
+    num_rows_    = 0;
+    padded_rows_ = -1;
   }
 
   /// @brief N: rows (tokens) of the step.
@@ -181,11 +189,14 @@ class step_plan {
   [[nodiscard]] std::span<const entry> entries() const noexcept { return entries_; }
   /// @brief Blocks declared freshly allocated for this step.
   [[nodiscard]] std::span<const std::int64_t> fresh_blocks() const noexcept { return fresh_blocks_; }
+  /// @brief Rows the forward writes including padding, -1 if not declared.
+  [[nodiscard]] std::int64_t padded_rows() const noexcept { return padded_rows_; }
 
  private:
   std::vector<entry> entries_;
   std::vector<std::int64_t> fresh_blocks_;
-  std::int64_t num_rows_ = 0;
+  std::int64_t num_rows_    = 0;
+  std::int64_t padded_rows_ = -1;
 };
 
 /// @brief Options of add_request().

@@ -181,14 +181,19 @@ TEST_CASE_TEMPLATE("speculative drafts: accepted prefix kept, rejected rows gone
 TEST_CASE_TEMPLATE("a tentative draft row yields to a later write of its position", RR, per_request_replay,
                    block_slot_replay)
 {
-  small_replay<RR> s;
-  std::vector<std::int64_t> slots;
-  s.rr().add_request(1);
-  s.step(plan_for(1, 0, 3, slots, 2), 1);  // token 0 + drafts 1, 2; acceptance not known yet
-  s.step(plan_for(1, 1, 1, slots), 2);     // an engine that rescheduled position 1 meanwhile
-  s.rr().accept_draft(1, 0);               // both drafts rejected: position 1 keeps the later row
-  CHECK(s.rr().recorded_rows(1) == 2);
-  CHECK(s.rows(1) == concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(0, 2)}));
+  for (const bool overwrite : {false, true}) {  // ownership moves under either preemption policy
+    CAPTURE(overwrite);
+    auto c                      = rr_test::small_config();
+    c.overwrite_recomputed_rows = overwrite;
+    small_replay<RR> s{c};
+    std::vector<std::int64_t> slots;
+    s.rr().add_request(1);
+    s.step(plan_for(1, 0, 3, slots, 2), 1);  // token 0 + drafts 1, 2; acceptance not known yet
+    s.step(plan_for(1, 1, 1, slots), 2);     // an engine that rescheduled position 1 meanwhile
+    s.rr().accept_draft(1, 0);               // both drafts rejected: position 1 keeps the later row
+    CHECK(s.rr().recorded_rows(1) == 2);
+    CHECK(s.rows(1) == concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(0, 2)}));
+  }
 }
 
 TEST_CASE("block-slot storage: prefix hits, stale rows after block reuse, shared-block recompute")
@@ -279,6 +284,36 @@ TEST_CASE("CUDA-graph padding rows past N are reset, so they never pass for a la
   per_request_replay::backend_type::bulk_async(
     4, [view](std::int64_t i) { view(i / 2, i % 2) = 1; }, s.stream());
   rr_test::expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"layer 2", "position 4"});
+}
+
+TEST_CASE("a forward run outside any step cannot pass for the next step's rows")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  // a warm-up forward writes every layer with no step open
+  s.forward(4, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 2; });
+  per_request_replay::backend_type::synchronize(s.stream());
+  // the first real step forgets layer 2: its warm-up rows must not be stored
+  s.rr().begin_step(plan_for(1, 0, 2, slots), s.stream());
+  s.forward(2, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 3; }, 1);
+  rr_test::expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"layer 2"});
+  CHECK(s.rr().recorded_rows(1) == 0);
+}
+
+TEST_CASE("a failing task on a host stream surfaces as backend_error from end_step, once")
+{
+  small_replay<per_request_replay> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  s.rr().begin_step(plan_for(1, 0, 2, slots), s.stream());
+  s.forward(2, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 3; });
+  per_request_replay::backend_type::bulk_async(
+    1, [](std::int64_t) { throw std::runtime_error{"router kernel fault"}; }, s.stream());
+  rr_test::expect_error([&] { s.end_step(); }, rr::errc::backend_error, {"router kernel fault"});
+  CHECK(s.rr().recorded_rows(1) == 0);
+  s.step(plan_for(1, 0, 2, slots), 1);  // reported once: the next step is clean
+  CHECK(s.rr().recorded_rows(1) == 2);
 }
 
 TEST_CASE("host backend: streams run in order, asynchronously; events order streams")

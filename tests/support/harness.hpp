@@ -181,6 +181,7 @@ class replay_harness {
       padded = std::min<std::int64_t>(n + std::uniform_int_distribution<std::int64_t>{0, shape_.max_padding}(rng_),
                                       sim_cfg_.max_tokens_per_step);
     }
+    if (padded > n && engine_.chance(0.5)) { step.plan.set_padded_rows(padded); }
     for (std::int64_t i = 0; i < padded; ++i) {
       meta_host_[static_cast<std::size_t>(i)] =
         i < n ? step.rows[static_cast<std::size_t>(i)] : row_meta{-2, i, -1};  // padding rows

@@ -23,8 +23,8 @@ namespace rr_test {
 ///   latest with overwrite); positions never filed are missing;
 /// - block-slot storage: rows live at slots; a request maps each position to the slot (and the
 ///   block generation) it was filed or prefix-hit at; a block declared fresh forgets its rows and
-///   makes every older mapping stale (missing); a recomputed position keeps its first valid row,
-///   which follows it to its new slot; a row already at a slot in this generation stays;
+///   makes every older mapping stale (missing); a row already at a slot in this generation stays;
+///   otherwise a recomputed position keeps its first valid row, which follows it to its new slot;
 /// - drafts: tentative rows yield to any later write of their position; accept_draft keeps the
 ///   accepted prefix and forgets the rest; a discarded step files nothing.
 template <class Index>
@@ -200,11 +200,11 @@ class reference_model {
       slot_rows_[slot] = value;
       return true;
     }
+    if (slot_rows_.count(slot) != 0) { return false; }
     if (prior) {
       slot_rows_[slot] = *prior;
       return false;
     }
-    if (slot_rows_.count(slot) != 0) { return false; }
     slot_rows_[slot] = value;
     return true;
   }

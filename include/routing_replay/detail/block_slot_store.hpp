@@ -162,22 +162,23 @@ class block_slot_store {
   /// @brief Where the row of (`h`, `position`) at `slot` should be written, or nullptr when an
   /// existing row stays (first write wins unless `replace`).
   ///
-  /// If the position already has a valid row at another slot (recompute after preemption into new
-  /// blocks), that first row follows the position to its new slot.
+  /// A row already at the slot stays. Otherwise, if the position has a valid row at another slot
+  /// (recompute after preemption into new blocks), that first row follows it to its new slot.
   [[nodiscard]] Index* claim(std::uint32_t h, std::int64_t position, std::int64_t slot, bool replace)
   {
-    slot_ref& at    = positions_[h][static_cast<std::size_t>(position)];
-    Index* row      = rows_.data() + slot * row_elems_;
-    const auto gen  = generation_[block_of(slot)];
+    slot_ref& at       = positions_[h][static_cast<std::size_t>(position)];
+    Index* row         = rows_.data() + slot * row_elems_;
     const Index* prior = valid_row(at);
-    at                 = slot_ref{slot, gen};
+    at                 = slot_ref{slot, generation_[block_of(slot)]};
     if (replace) { return row; }
+    // a row already at this slot in this generation stays, whoever filed it (a request sharing the
+    // block through the prefix cache computed the same position of the same prefix)
+    if (row[0] != index_traits<Index>::sentinel) { return nullptr; }
     if (prior != nullptr) {
-      if (prior != row) { std::memmove(row, prior, static_cast<std::size_t>(row_elems_) * sizeof(Index)); }
+      std::memcpy(row, prior, static_cast<std::size_t>(row_elems_) * sizeof(Index));
       return nullptr;
     }
-    // a row recorded at this slot in this generation by a request sharing the block stays too
-    return row[0] == index_traits<Index>::sentinel ? row : nullptr;
+    return row;
   }
 
   /// @brief Forgets the row of (`h`, `position`) (a rejected draft) if it is still current.

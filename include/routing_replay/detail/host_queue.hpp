@@ -52,6 +52,14 @@ class host_queue {
     if (failure_) { std::rethrow_exception(std::exchange(failure_, nullptr)); }
   }
 
+  /// @brief Takes the first task failure not yet reported (called from the worker by an event's
+  /// completion task, so the failure is reported once, where that event is waited on).
+  std::exception_ptr take_failure()
+  {
+    std::lock_guard lock{mutex_};
+    return std::exchange(failure_, nullptr);
+  }
+
  private:
   void run()
   {
@@ -96,14 +104,21 @@ class completion_flag {
     std::lock_guard lock{mutex_};
     return ++recorded_;
   }
-  /// @brief Queue side of a record: reached the ticket.
-  void complete(std::uint64_t ticket)
+  /// @brief Queue side of a record: reached the ticket, with the queue's first failure so far.
+  void complete(std::uint64_t ticket, std::exception_ptr failure)
   {
     {
       std::lock_guard lock{mutex_};
       if (ticket > completed_) { completed_ = ticket; }
+      if (failure && !failure_) { failure_ = failure; }
     }
     reached_.notify_all();
+  }
+  /// @brief Takes the failure of work recorded before this flag, if any.
+  std::exception_ptr take_failure()
+  {
+    std::lock_guard lock{mutex_};
+    return std::exchange(failure_, nullptr);
   }
   /// @brief The ticket of the latest record (0: never recorded).
   std::uint64_t latest()
@@ -129,6 +144,7 @@ class completion_flag {
   std::condition_variable reached_;
   std::uint64_t recorded_  = 0;
   std::uint64_t completed_ = 0;
+  std::exception_ptr failure_;
 };
 
 }  // namespace routing_replay::detail
