@@ -43,7 +43,11 @@ class request_key {
   /// @brief The id as it appears in error messages: 42 or 'chat-7'.
   [[nodiscard]] std::string to_string() const
   {
-    return is_integer() ? std::to_string(integer()) : "'" + std::string{string()} + "'";
+    if (is_integer()) { return std::to_string(integer()); }
+    std::string quoted;
+    quoted.reserve(string().size() + 2);
+    quoted.append(1, '\'').append(string()).append(1, '\'');
+    return quoted;
   }
 
   /// @brief Equality of kind and value.

@@ -1,0 +1,30 @@
+# Shared by the scripts in this folder: find the toolchain, install what a fresh machine lacks.
+# Sourced, not run.
+
+# nvcc lives outside PATH on some images
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null 2>&1; then sudo "$@"; else
+    echo "need root to run: $*" >&2; return 1; fi
+}
+
+# apt_install PACKAGE...: installs the Debian packages that are missing (no-op when all are there).
+apt_install() {
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "installing: ${missing[*]}"
+  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+# pip_install MODULE PACKAGE: installs a Python package unless the module already imports.
+pip_install() {
+  python3 -c "import $1" >/dev/null 2>&1 && return 0
+  echo "installing Python package: $2"
+  python3 -m pip install -q "$2" 2>/dev/null || python3 -m pip install -q --break-system-packages "$2"
+}
+
+build_jobs() { nproc 2>/dev/null || echo 2; }

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds every target (host .cpp with g++, .cu with nvcc) and runs the tests: host tests, the numpy
+# round trip and the GPU tests (Skipped, not Passed, where there is no GPU); then the host tests
+# again under AddressSanitizer + UBSan, and the demo on a small run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/common.sh
+apt_install cmake ninja-build g++ doctest-dev libbenchmark-dev
+pip_install numpy numpy
+
+echo "== build (Release, host + CUDA targets)"
+cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build/ci -j "$(build_jobs)"
+echo "== tests"
+ctest --test-dir build/ci --output-on-failure
+
+echo "== host tests under AddressSanitizer + UBSan"
+cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROUTING_REPLAY_SANITIZE=ON \
+  -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
+  -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
+cmake --build build/asan -j "$(build_jobs)"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build/asan --output-on-failure -L host
+
+echo "== demo (small run, default backend)"
+build/ci/examples/engine_loop --out build/ci/demo_out --requests 3 --max-tokens 256 | tail -n 2
