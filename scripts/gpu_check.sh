@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, one command: configure, build, run the GPU tests (which must
 # really run: "skipped" is a failure here), the host tests, the demo on CUDA for several policy
-# combinations (checked with numpy) and the benchmarks; logs go to $OUT (default build/gpu_check);
-# a short summary is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
+# combinations (checked with numpy) and the benchmarks; logs go to $OUT (default build/gpu_check),
+# at most 7 files; a short summary is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
 # (scripts/stage_deps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,9 +22,9 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohea
 note "gpu: ${gpu:-none found} | nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
 
 start=$(date +%s)
-if ! cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" >"$OUT/configure.log" 2>&1 ||
-   ! cmake --build build/gpu -j "$(build_jobs)" >"$OUT/build.log" 2>&1; then
-  tail -n 40 "$OUT/configure.log" "$OUT/build.log"
+if ! cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" >"$OUT/build.log" 2>&1 ||
+   ! cmake --build build/gpu -j "$(build_jobs)" >>"$OUT/build.log" 2>&1; then
+  tail -n 40 "$OUT/build.log"
   echo "build failed"; exit 1
 fi
 note "build: ok in $(( $(date +%s) - start )) s"
@@ -40,21 +40,21 @@ demo_ok=0; demo_runs=0
 for combo in "int16 layer_major per_request" "int16 layer_major block_slot" "uint8 token_major per_request" \
              "int32 token_major block_slot" "uint16 layer_major per_request"; do
   set -- $combo
-  dir="$OUT/demo_$1_$2_$3"
+  dir="build/gpu/demo_$1_$2_$3"
   demo_runs=$((demo_runs + 1))
+  echo "== demo --index $1 --layout $2 --storage $3" >>"$OUT/demo.log"
   if build/gpu/examples/engine_loop --backend cuda --index "$1" --layout "$2" --storage "$3" --out "$dir" \
-       >"$dir.log" 2>&1 && python3 examples/engine_loop/verify_npy.py "$dir" "$1" >>"$dir.log" 2>&1; then
+       >>"$OUT/demo.log" 2>&1 && python3 examples/engine_loop/verify_npy.py "$dir" "$1" >>"$OUT/demo.log" 2>&1; then
     demo_ok=$((demo_ok + 1))
   else
-    status=1; tail -n 5 "$dir.log"
+    status=1; tail -n 5 "$OUT/demo.log"
   fi
-  rm -f "$dir"/*.npy
 done
 note "demo on cuda: $demo_ok/$demo_runs policy combinations verified with numpy"
 
 if [ -x build/gpu/benchmarks/host_path_bench ]; then
-  build/gpu/benchmarks/host_path_bench --benchmark_min_time=0.05 --benchmark_format=json \
-    --benchmark_out="$OUT/host_path_bench.json" --benchmark_out_format=json >"$OUT/host_path_bench.log" 2>&1 \
+  build/gpu/benchmarks/host_path_bench --benchmark_min_time=0.05 \
+    --benchmark_out="$OUT/host_path_bench.json" --benchmark_out_format=json >/dev/null 2>&1 \
     && note "benchmarks: host_path_bench -> $OUT/host_path_bench.json" || { note "benchmarks: failed"; status=1; }
 fi
 

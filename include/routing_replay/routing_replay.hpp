@@ -257,6 +257,52 @@ class RoutingReplay {
     return end - begin;
   }
 
+  /// @brief Block-slot storage: copies the rows of whole KV blocks, block after block, into `out`
+  /// ([blocks.size() * block_size, L, K]), so they can follow their KV to another tier or instance
+  /// (prefill/decode disaggregation). Rows never recorded hold the sentinel.
+  /// @throws error slot_out_of_range (a block outside the pool), invalid_argument (`out` too small),
+  /// invalid_state (a step is open)
+  void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out) const
+    requires(store_type::slot_indexed)
+  {
+    check_block_transfer("export_blocks", blocks, out.size());
+    store_.export_blocks(blocks, out.data());
+  }
+
+  /// @brief Block-slot storage: fills whole KV blocks with rows exported by export_blocks()
+  /// (here or on another instance). The blocks become fresh first, so older mappings to them go
+  /// stale; requests reach the imported rows through prefix hits (cached_slots).
+  /// @throws error as export_blocks()
+  void import_blocks(std::span<const std::int64_t> blocks, std::span<const Index> rows)
+    requires(store_type::slot_indexed)
+  {
+    check_block_transfer("import_blocks", blocks, rows.size());
+    store_.import_blocks(blocks, rows.data());
+  }
+
+  /// @brief Block-slot storage: the rows of block `source[i]` move with its KV to block
+  /// `destination[i]` (offload and reload under a new block id). Destinations become fresh.
+  /// @throws error as export_blocks(), and invalid_argument for lists of different lengths or a
+  /// block that is both a source and a destination
+  void copy_blocks(std::span<const std::int64_t> source, std::span<const std::int64_t> destination)
+    requires(store_type::slot_indexed)
+  {
+    if (source.size() != destination.size()) {
+      throw error{errc::invalid_argument, "copy_blocks: " + std::to_string(source.size()) +
+                                            " sources for " + std::to_string(destination.size()) +
+                                            " destinations"};
+    }
+    for (const std::int64_t d : destination) {
+      if (std::find(source.begin(), source.end(), d) != source.end()) {
+        throw error{errc::invalid_argument,
+                    "copy_blocks: block " + std::to_string(d) + " is both a source and a destination"};
+      }
+    }
+    std::vector<Index> rows(source.size() * static_cast<std::size_t>(store_.block_elems()));
+    export_blocks(source, rows);
+    import_blocks(destination, rows);
+  }
+
   /// @brief Forgets a finished request and frees its rows (block-slot rows stay at their slots
   /// for later prefix hits).
   /// @throws error unknown_request, invalid_state if the open step schedules it (use abort)
@@ -522,6 +568,26 @@ class RoutingReplay {
   }
 
   [[nodiscard]] std::int32_t num_model_layers() const noexcept { return config_.num_model_layers; }
+
+  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems) const
+  {
+    if (in_step_) {
+      throw error{errc::invalid_state, std::string{what} + " while a step is open; end the step first"};
+    }
+    for (const std::int64_t b : blocks) {
+      if (b < 0 || b >= store_.num_blocks()) {
+        throw error{errc::slot_out_of_range, std::string{what} + ": block " + std::to_string(b) +
+                                               " is outside the pool [0, " +
+                                               std::to_string(store_.num_blocks()) + ")"};
+      }
+    }
+    const auto need = blocks.size() * static_cast<std::size_t>(store_.block_elems());
+    if (elems < need) {
+      throw error{errc::invalid_argument, std::string{what} + ": " + std::to_string(blocks.size()) +
+                                            " blocks need " + std::to_string(need) + " ids, the buffer has " +
+                                            std::to_string(elems)};
+    }
+  }
 
   void check_cached_prefix(request_key id, std::span<const std::int64_t> cached_slots) const
   {

@@ -255,6 +255,46 @@ TEST_CASE("block-slot storage: a first row follows its position to a new slot af
   CHECK(s.rows(1) == concat<std::int16_t>({small_row<std::int16_t>(0, 1), small_row<std::int16_t>(1, 1)}));
 }
 
+TEST_CASE("block-slot storage: rows follow their KV blocks (copy, export, import)")
+{
+  small_replay<block_slot_replay> prefill;
+  std::vector<std::int64_t> slots;
+  prefill.rr().add_request(1);
+  prefill.step(plan_for(1, 0, 8, slots), 1);  // blocks 0 and 1
+  const auto expected = prefill.rows(1);
+
+  // offload and reload under new block ids: a request hitting the reloaded blocks sees the rows
+  const std::int64_t from[] = {0, 1};
+  const std::int64_t to[]   = {5, 6};
+  prefill.rr().copy_blocks(from, to);
+  const std::int64_t reloaded[] = {20, 21, 22, 23, 24, 25, 26, 27};
+  prefill.rr().add_request(2, {.cached_slots = reloaded});
+  CHECK(prefill.rows(2) == expected);
+
+  // prefill/decode disaggregation: export here, import into another instance's blocks 3 and 4
+  std::vector<std::int16_t> wire(2 * 4 * 4);
+  prefill.rr().export_blocks(from, wire);
+  small_replay<block_slot_replay> decode;
+  const std::int64_t there[] = {3, 4};
+  decode.rr().import_blocks(there, wire);
+  const std::int64_t cached[] = {12, 13, 14, 15, 16, 17, 18, 19};
+  decode.rr().add_request("r", {.cached_slots = cached});
+  CHECK(decode.rows("r") == expected);
+
+  // importing over a block makes older mappings to it stale, never foreign
+  const std::int64_t over[] = {5};
+  const std::vector<std::int16_t> other(16, 3);
+  prefill.rr().import_blocks(over, other);
+  CHECK(prefill.rr().extract(2).count_missing_rows() == 4);
+
+  rr_test::expect_error([&] { prefill.rr().export_blocks(std::vector<std::int64_t>{8}, wire); },
+                        rr::errc::slot_out_of_range, {"block 8", "[0, 8)"});
+  rr_test::expect_error([&] { prefill.rr().export_blocks(from, std::span{wire}.first(5)); },
+                        rr::errc::invalid_argument, {"need 32 ids", "has 5"});
+  rr_test::expect_error([&] { prefill.rr().copy_blocks(from, std::vector<std::int64_t>{1, 2}); },
+                        rr::errc::invalid_argument, {"block 1 is both"});
+}
+
 TEST_CASE("per-request storage reads prefix-cache positions as missing")
 {
   small_replay<per_request_replay> s;

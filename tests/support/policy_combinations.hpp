@@ -22,11 +22,19 @@ template <class Backend, class Copy, class Index>
 using layouts = concat<storages<Backend, Copy, Index, routing_replay::layer_major>,
                        storages<Backend, Copy, Index, routing_replay::token_major>>;
 
+/// @brief The 8 combinations with unsigned index types.
+template <class Backend, class Copy>
+using unsigned_index_combinations =
+  concat<layouts<Backend, Copy, std::uint8_t>, layouts<Backend, Copy, std::uint16_t>>;
+
+/// @brief The 8 combinations with signed index types.
+template <class Backend, class Copy>
+using signed_index_combinations =
+  concat<layouts<Backend, Copy, std::int16_t>, layouts<Backend, Copy, std::int32_t>>;
+
 /// @brief The 16 combinations of one backend and one copy strategy.
 template <class Backend, class Copy>
-using all_combinations = concat<layouts<Backend, Copy, std::uint8_t>,
-                                layouts<Backend, Copy, std::uint16_t>,
-                                layouts<Backend, Copy, std::int16_t>,
-                                layouts<Backend, Copy, std::int32_t>>;
+using all_combinations =
+  concat<unsigned_index_combinations<Backend, Copy>, signed_index_combinations<Backend, Copy>>;
 
 }  // namespace rr_test

@@ -159,6 +159,35 @@ class block_slot_store {
     }
   }
 
+  /// @brief Copies the rows of whole blocks, block after block, to `out`
+  /// ([blocks.size() * block_size, L, K]; rows never recorded hold the sentinel).
+  void export_blocks(std::span<const std::int64_t> blocks, Index* out) const
+  {
+    for (const std::int64_t b : blocks) {
+      out = std::copy_n(rows_.data() + b * block_size_ * row_elems_, block_size_ * row_elems_, out);
+    }
+  }
+
+  /// @brief Fills whole blocks from rows laid out as export_blocks() writes them. Each block becomes
+  /// fresh first: mappings to its previous content go stale, and a request served from it later
+  /// binds to it through a prefix hit.
+  void import_blocks(std::span<const std::int64_t> blocks, const Index* rows)
+  {
+    refresh_blocks(blocks);
+    for (const std::int64_t b : blocks) {
+      std::copy_n(rows, block_size_ * row_elems_, rows_.data() + b * block_size_ * row_elems_);
+      rows += block_size_ * row_elems_;
+    }
+  }
+
+  /// @brief Ids per block (block_size * L * K).
+  [[nodiscard]] std::int64_t block_elems() const noexcept { return block_size_ * row_elems_; }
+  /// @brief Blocks in the pool.
+  [[nodiscard]] std::int64_t num_blocks() const noexcept
+  {
+    return static_cast<std::int64_t>(generation_.size());
+  }
+
   /// @brief Where the row of (`h`, `position`) at `slot` should be written, or nullptr when an
   /// existing row stays (first write wins unless `replace`).
   ///
