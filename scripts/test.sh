@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Builds every target (host .cpp with g++, .cu with nvcc) and runs the tests: host tests, the numpy
 # round trip and the GPU tests (Skipped, not Passed, where there is no GPU); then the host tests
-# again under AddressSanitizer + UBSan, and the demo on a small run.
+# again under AddressSanitizer + UBSan, the documentation check, and the demo on a small run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
-apt_install cmake ninja-build g++ doctest-dev libbenchmark-dev
+apt_install cmake ninja-build g++ doctest-dev libbenchmark-dev doxygen
 pip_install numpy numpy
 
 echo "== build (Release, host + CUDA targets)"
@@ -22,6 +22,12 @@ cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1
 cmake --build build/asan -j "$(build_jobs)"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build/asan --output-on-failure -L host
+
+echo "== every public entity documented (doxygen)"
+mkdir -p build
+undocumented=$(doxygen docs/Doxyfile 2>&1 | grep -v '/detail/' || true)
+if [ -n "$undocumented" ]; then echo "$undocumented"; exit 1; fi
+echo "ok"
 
 echo "== demo (small run, default backend)"
 build/ci/examples/engine_loop --out build/ci/demo_out --requests 3 --max-tokens 256 | tail -n 2

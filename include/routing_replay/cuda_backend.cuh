@@ -44,7 +44,9 @@ class cuda_stream {
     detail::check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                        "cudaStreamCreateWithFlags");
   }
+  /// @brief Takes over the stream; `other` is left empty.
   cuda_stream(cuda_stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+  /// @brief Swaps streams; the one given up is destroyed with `other`.
   cuda_stream& operator=(cuda_stream&& other) noexcept
   {
     std::swap(stream_, other.stream_);
@@ -73,7 +75,9 @@ class cuda_event {
     detail::check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
                        "cudaEventCreateWithFlags");
   }
+  /// @brief Takes over the event; `other` is left empty.
   cuda_event(cuda_event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  /// @brief Swaps events; the one given up is destroyed with `other`.
   cuda_event& operator=(cuda_event&& other) noexcept
   {
     std::swap(event_, other.event_);

@@ -72,7 +72,9 @@ class routed_experts {
   {
   }
 
-  routed_experts(routed_experts&&) noexcept            = default;  // vector moves keep data_ valid
+  /// @brief Moves; an owned buffer keeps its address, so views stay valid.
+  routed_experts(routed_experts&&) noexcept = default;
+  /// @brief Move assignment, as the move constructor.
   routed_experts& operator=(routed_experts&&) noexcept = default;
   routed_experts(const routed_experts&)                = delete;
   routed_experts& operator=(const routed_experts&)     = delete;

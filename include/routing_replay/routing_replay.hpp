@@ -113,7 +113,9 @@ class RoutingReplay {
     }
   }
 
-  RoutingReplay(RoutingReplay&&) noexcept            = default;
+  /// @brief Moves the buffers; device references handed out earlier stay valid (same memory).
+  RoutingReplay(RoutingReplay&&) noexcept = default;
+  /// @brief Move assignment; the replaced object must have no step in flight.
   RoutingReplay& operator=(RoutingReplay&&) noexcept = default;
   RoutingReplay(const RoutingReplay&)                = delete;
   RoutingReplay& operator=(const RoutingReplay&)     = delete;
@@ -485,23 +487,25 @@ class RoutingReplay {
     typename Backend::template pinned_vector<Index> staging;
     typename Backend::template pinned_vector<detail::step_status> status;
     typename Backend::event copied;
+    /// @brief One scheduled request of the step, resolved to its handle.
     struct run {
-      std::uint32_t handle;
-      std::uint32_t generation;
-      std::int64_t first_row;
-      std::int64_t first_position;
-      std::int32_t num_tokens;
-      std::int32_t num_draft;
-      std::int64_t slots_begin;  // index into slots, -1 without slots
+      std::uint32_t handle;         ///< request handle
+      std::uint32_t generation;     ///< handle generation when planned (aborted if it moved on)
+      std::int64_t first_row;       ///< first row of the step
+      std::int64_t first_position;  ///< position of that row
+      std::int32_t num_tokens;      ///< rows
+      std::int32_t num_draft;       ///< trailing draft rows
+      std::int64_t slots_begin;     ///< index into plan_type::slots, -1 without slots
     };
+    /// @brief Everything filing needs, copied out of the step_plan at begin_step.
     struct plan_type {
-      std::uint64_t serial   = 0;
-      std::int64_t num_rows  = 0;
-      std::vector<run> runs;
-      std::vector<std::int64_t> slots;
-      std::vector<std::int64_t> fresh_blocks;
-      std::int64_t padded_rows = -1;  // rows the forward writes, if the plan declared them
-    } plan;
+      std::uint64_t serial  = 0;              ///< step serial
+      std::int64_t num_rows = 0;              ///< N
+      std::vector<run> runs;                  ///< scheduled requests in batch order
+      std::vector<std::int64_t> slots;        ///< KV slots of every run, flat
+      std::vector<std::int64_t> fresh_blocks; ///< blocks declared fresh
+      std::int64_t padded_rows = -1;          ///< rows the forward writes, if declared
+    } plan;                                   ///< the step held by this staging
   };
 
   // -- configuration ------------------------------------------------------------------------------
