@@ -17,7 +17,13 @@ apt_install() {
   for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   [ ${#missing[@]} -eq 0 ] && return 0
   echo "installing: ${missing[*]}"
-  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  local log
+  log=$(mktemp)
+  if ! { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log"; rm -f "$log"; return 1
+  fi
+  rm -f "$log"
 }
 
 # pip_install MODULE PACKAGE: installs a Python package unless the module already imports.

@@ -346,15 +346,15 @@ class RoutingReplay {
                     std::to_string(config_.max_tokens_per_step)};
     }
     validate_plan(plan);
-
-    // past this point nothing throws a library error: the step is committed
-    in_flight& slot = ring_[next_slot_];
-    build_scatter_plan(plan, slot.plan);
     if (dirty_outside_steps_) {
       // a forward ran outside any step (warm-up, profiling): its rows must not pass for this step's
       enqueue_reset(std::max(rows_outside_steps_, plan.num_rows()), compute);
       dirty_outside_steps_ = false;
     }
+
+    // past this point nothing throws a library error: the step is committed
+    in_flight& slot = ring_[next_slot_];
+    build_scatter_plan(plan, slot.plan);
     rows_this_step_ = 0;
     in_step_        = true;
     if constexpr (Copy::uses_side_stream) { Backend::wait(compute, last_copy_event()); }
