@@ -2,7 +2,7 @@
 # On a machine with an NVIDIA GPU, one command: configure, build, run the GPU tests (which must
 # really run: "skipped" is a failure here), the host tests, the demo on CUDA for several policy
 # combinations (checked with numpy) and the benchmarks; logs go to $OUT (default build/gpu_check),
-# at most 7 files; a short summary is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
+# at most 8 files; a short summary is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
 # (scripts/stage_deps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +32,13 @@ note "build: ok in $(( $(date +%s) - start )) s"
 build/gpu/tests/gpu_tests >"$OUT/gpu_tests.log" 2>&1; rc=$?
 note "gpu_tests: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/gpu_tests.log" | sed 's/\[doctest\] //')"
 [ $rc -eq 0 ] || status=1   # 77 (no GPU) is a failure on this machine
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  # memcheck over the CUDA-graph and device-error tests (every kernel of the library runs there)
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 build/gpu/tests/gpu_tests \
+    -tc='*graph*,*device-detected*' >"$OUT/sanitizer.log" 2>&1; rc=$?
+  note "compute-sanitizer memcheck (graph + device-error tests): exit $rc | $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n1)"
+  [ $rc -eq 0 ] || status=1
+fi
 build/gpu/tests/host_tests >"$OUT/host_tests.log" 2>&1; rc=$?
 note "host_tests: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/host_tests.log" | sed 's/\[doctest\] //')"
 [ $rc -eq 0 ] || status=1
