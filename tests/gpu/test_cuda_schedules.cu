@@ -11,12 +11,6 @@ namespace rr = routing_replay;
 
 TEST_CASE_TEMPLATE_DEFINE("CUDA: randomized schedules match the reference model", RR, schedules_cuda)
 {
-  for (std::uint64_t seed : {1u, 2u, 3u, 4u}) {
-    CAPTURE(seed);
-    rr_test::harness_shape shape;
-    shape.overwrite = seed == 3;
-    rr_test::replay_harness<RR> harness{rr_test::schedule_for_seed(seed), shape, seed};
-    harness.run();
-  }
+  rr_test::check_randomized_schedules<RR>({1, 2, 3, 4});
 }
 TEST_CASE_TEMPLATE_APPLY(schedules_cuda, rr_test::all_combinations<rr::cuda_backend, rr::sync_copy>);

@@ -142,9 +142,7 @@ TEST_CASE_TEMPLATE("preemption with recompute: first write wins unless overwrite
 {
   for (const bool overwrite : {false, true}) {
     CAPTURE(overwrite);
-    auto c                      = rr_test::small_config();
-    c.overwrite_recomputed_rows = overwrite;
-    small_replay<RR> s{c};
+    small_replay<RR> s{rr_test::small_config(overwrite)};
     std::vector<std::int64_t> slots;
     s.rr().add_request(1);
     s.step(plan_for(1, 0, 3, slots), 1);
@@ -183,9 +181,7 @@ TEST_CASE_TEMPLATE("a tentative draft row yields to a later write of its positio
 {
   for (const bool overwrite : {false, true}) {  // ownership moves under either preemption policy
     CAPTURE(overwrite);
-    auto c                      = rr_test::small_config();
-    c.overwrite_recomputed_rows = overwrite;
-    small_replay<RR> s{c};
+    small_replay<RR> s{rr_test::small_config(overwrite)};
     std::vector<std::int64_t> slots;
     s.rr().add_request(1);
     s.step(plan_for(1, 0, 3, slots, 2), 1);  // token 0 + drafts 1, 2; acceptance not known yet

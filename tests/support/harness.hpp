@@ -291,4 +291,18 @@ class replay_harness {
   std::int64_t rows_checked_  = 0;
 };
 
+/// @brief Runs one randomized schedule per seed: seeds divisible by 4 use the contended KV pool
+/// (schedule_for_seed), seed 3 runs with overwrite_recomputed_rows.
+template <class RR>
+void check_randomized_schedules(std::initializer_list<std::uint64_t> seeds)
+{
+  for (const std::uint64_t seed : seeds) {
+    CAPTURE(seed);
+    harness_shape shape;
+    shape.overwrite = seed == 3;
+    replay_harness<RR> harness{schedule_for_seed(seed), shape, seed};
+    harness.run();
+  }
+}
+
 }  // namespace rr_test

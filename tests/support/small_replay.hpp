@@ -13,9 +13,10 @@
 namespace rr_test {
 
 /// @brief The configuration of small_replay: model layer 0 is dense, 1 and 2 are MoE.
-inline routing_replay::replay_config small_config()
+inline routing_replay::replay_config small_config(bool overwrite_recomputed_rows = false)
 {
   routing_replay::replay_config c;
+  c.overwrite_recomputed_rows = overwrite_recomputed_rows;
   c.num_experts              = 8;
   c.top_k                    = 2;
   c.num_fused_shared_experts = 1;
