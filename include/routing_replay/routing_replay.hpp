@@ -357,7 +357,6 @@ class RoutingReplay {
     build_scatter_plan(plan, slot.plan);
     rows_this_step_ = 0;
     in_step_        = true;
-    if constexpr (Copy::uses_side_stream) { Backend::wait(compute, last_copy_event()); }
   }
 
   /// @brief Closes the step after its forward has been enqueued on `compute`: checks rows [0, N)
@@ -578,13 +577,7 @@ class RoutingReplay {
     if (in_step_) {
       throw error{errc::invalid_state, std::string{what} + " while a step is open; end the step first"};
     }
-    for (const std::int64_t b : blocks) {
-      if (b < 0 || b >= store_.num_blocks()) {
-        throw error{errc::slot_out_of_range, std::string{what} + ": block " + std::to_string(b) +
-                                               " is outside the pool [0, " +
-                                               std::to_string(store_.num_blocks()) + ")"};
-      }
-    }
+    store_.check_blocks(blocks, (std::string{what} + ":").c_str());
     const auto need = blocks.size() * static_cast<std::size_t>(store_.block_elems());
     if (elems < need) {
       throw error{errc::invalid_argument, std::string{what} + ": " + std::to_string(blocks.size()) +
@@ -725,7 +718,7 @@ class RoutingReplay {
       growth += store_.growth_bytes(h, s.first_position + s.num_tokens, false);
       exact_growth += store_.growth_bytes(h, s.first_position + s.num_tokens, true);
     }
-    store_.check_blocks(plan.fresh_blocks());
+    store_.check_blocks(plan.fresh_blocks(), "fresh");
     exact_growth_ = store_.bytes_in_use() + growth > store_.limit();
     if (exact_growth_ && store_.bytes_in_use() + exact_growth > store_.limit()) {
       throw error{errc::host_memory_exhausted,
@@ -774,11 +767,6 @@ class RoutingReplay {
   }
 
   // -- copy pipeline ------------------------------------------------------------------------------
-
-  [[nodiscard]] typename Backend::event& last_copy_event() noexcept
-  {
-    return ring_[(next_slot_ + ring_.size() - 1) % ring_.size()].copied;
-  }
 
   // Check rows [0, N) on the device, move them and the status to the staging, then reset D and the
   // status so the next step starts from "nothing recorded".

@@ -117,13 +117,14 @@ class block_slot_store {
     }
   }
 
-  /// @brief Validates blocks that a plan declares freshly allocated.
-  void check_blocks(std::span<const std::int64_t> blocks) const
+  /// @brief Throws slot_out_of_range unless every block lies in the pool; `what` names the use
+  /// ("fresh", "export_blocks:", ...) in the message.
+  void check_blocks(std::span<const std::int64_t> blocks, const char* what) const
   {
     for (const std::int64_t b : blocks) {
       if (b < 0 || b >= static_cast<std::int64_t>(generation_.size())) {
         throw error{errc::slot_out_of_range,
-                    "fresh block " + std::to_string(b) + " is outside the pool [0, " +
+                    std::string{what} + " block " + std::to_string(b) + " is outside the pool [0, " +
                       std::to_string(generation_.size()) + ")"};
       }
     }

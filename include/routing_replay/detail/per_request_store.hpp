@@ -56,7 +56,7 @@ class per_request_store {
   /// @brief Checks the slots of a scheduled request (nothing to check: rows live at positions).
   void check_slots(std::span<const std::int64_t>, std::int32_t) const noexcept {}
   /// @brief Checks blocks declared fresh (nothing to check: rows do not live in KV blocks).
-  void check_blocks(std::span<const std::int64_t>) const noexcept {}
+  void check_blocks(std::span<const std::int64_t>, const char*) const noexcept {}
 
   /// @brief Extra bytes needed so that `h` can hold positions [0, rows); `exact` grows to exactly
   /// `rows` instead of doubling (used when doubling would cross the memory limit).
