@@ -8,6 +8,7 @@
 #include <concepts>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace routing_replay {
 
@@ -16,9 +17,12 @@ namespace routing_replay {
 /// Extraction is a zero-copy view. Growth is amortised and capped at max_model_len rows; the total
 /// is bounded by replay_config::host_memory_limit.
 struct per_request_storage {
-  /// @brief The storage implementation for an index type.
-  template <class Index>
+  /// @brief The storage implementation for an index type (`Rows` is unused: rows live in one
+  /// growable array per request).
+  template <class Index, class Rows = std::vector<Index>>
   using store = detail::per_request_store<Index>;
+  /// @brief Whether row addresses stay fixed while rows are in flight (needed by device_scatter).
+  static constexpr bool stable_row_addresses = false;
   /// @brief Human-readable name.
   static constexpr const char* name = "per_request";
 };
@@ -28,16 +32,20 @@ struct per_request_storage {
 /// Prefix-cache hits and preemption keep rows with their KV blocks; a per-block generation makes
 /// rows of a reallocated block read as missing. Extraction gathers a request's rows.
 struct block_slot_storage {
-  /// @brief The storage implementation for an index type.
-  template <class Index>
-  using store = detail::block_slot_store<Index>;
+  /// @brief The storage implementation for an index type; `Rows` holds the pool (pinned memory
+  /// when a kernel writes it).
+  template <class Index, class Rows = std::vector<Index>>
+  using store = detail::block_slot_store<Index, Rows>;
+  /// @brief Whether row addresses stay fixed while rows are in flight (needed by device_scatter).
+  static constexpr bool stable_row_addresses = true;
   /// @brief Human-readable name.
   static constexpr const char* name = "block_slot";
 };
 
 /// @brief A host-storage policy: names a store that opens and closes requests, validates and
 /// reserves ahead of the scatter (so filing never fails), files rows (claim/erase), serves them
-/// (contiguous/read) and accounts its bytes against the memory limit.
+/// (contiguous/read) and accounts its bytes against the memory limit; and says whether row
+/// addresses stay fixed while rows are in flight.
 template <class S>
 concept host_storage = requires(typename S::template store<std::int16_t>& store,
                                 const typename S::template store<std::int16_t>& cstore,
@@ -46,6 +54,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
                                 std::span<const std::int64_t> slots,
                                 std::int16_t* row) {
   { S::template store<std::int16_t>::slot_indexed } -> std::convertible_to<bool>;
+  { S::stable_row_addresses } -> std::convertible_to<bool>;
   store.open(h);
   store.close(h);
   cstore.check_slot_range(slots);
@@ -56,7 +65,8 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   { cstore.growth_bytes(h, position, true) } -> std::convertible_to<std::size_t>;
   store.reserve(h, position, true);
   store.refresh_blocks(slots);
-  { store.claim(h, position, position, true) } -> std::same_as<std::int16_t*>;
+  { cstore.generation_of(position) } -> std::same_as<std::uint32_t>;
+  { store.claim(h, position, position, std::uint32_t{0}, true) } -> std::same_as<detail::row_claim<std::int16_t>>;
   store.erase(h, position, position);
   { cstore.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
   { cstore.read(h, position, row) } -> std::same_as<bool>;

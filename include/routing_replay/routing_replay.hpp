@@ -7,6 +7,7 @@
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/config.hpp>
 #include <routing_replay/copy_strategy.hpp>
+#include <routing_replay/detail/copy_ring.hpp>
 #include <routing_replay/detail/kernels.hpp>
 #include <routing_replay/detail/requests.hpp>
 #include <routing_replay/detail/step_status.hpp>
@@ -25,7 +26,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -56,24 +59,39 @@ struct capture_options {
 /// - Backend: cuda_backend (routing_replay.cuh) or host_backend;
 /// - Index: the integer type of stored ids (expert_index), with a sentinel for missing rows;
 /// - Layout: layer_major or token_major order of the device buffer D (buffer_layout);
-/// - Copy: how rows leave D (copy_strategy), e.g. sync_copy;
+/// - Copy: how rows leave D and when they are filed (copy_strategy): sync_copy, async_event,
+///   double_buffered<Depth>, device_scatter<Depth>;
 /// - Storage: per_request_storage or block_slot_storage (host_storage).
 ///
 /// One engine step: begin_step(plan) → forward with capture()/layer_view()/ref() → end_step().
+/// With a deferred strategy a step's rows are filed at a later end_step(); extraction and the other
+/// calls that read rows first file whatever is still in flight for them (and no more).
 /// Owning and move-only; not thread-safe (one host thread drives it, as engines do); every
-/// asynchronous operation takes the engine's stream explicitly.
+/// asynchronous operation takes the engine's stream explicitly, and the side stream copies run on
+/// can be the engine's too.
 template <backend Backend,
           expert_index Index     = std::int16_t,
           buffer_layout Layout   = layer_major,
           copy_strategy Copy     = sync_copy,
           host_storage Storage   = per_request_storage>
 class RoutingReplay {
-  using traits     = index_traits<Index>;
-  using store_type = typename Storage::template store<Index>;
-  static_assert(Copy::ring_depth == 1 && !Copy::uses_side_stream &&
-                  Copy::timing == scatter_timing::at_end_of_step,
-                "this version of the copy pipeline implements synchronous strategies only "
-                "(ring_depth 1, compute stream, scatter at end of step)");
+  static constexpr bool device_scatters = Copy::site == scatter_site::device;
+  static_assert(!device_scatters || Storage::stable_row_addresses,
+                "device_scatter has a kernel write rows straight into host storage while the host "
+                "plans later steps, so row addresses must never move; per_request_storage grows "
+                "each request's array by reallocation. Use block_slot_storage with device_scatter, "
+                "or a host-scatter strategy (sync_copy, async_event, double_buffered) with "
+                "per_request_storage.");
+
+  using traits      = index_traits<Index>;
+  using pool_vector = std::conditional_t<device_scatters,
+                                         typename Backend::template pinned_vector<Index>,
+                                         std::vector<Index>>;
+  using store_type  = typename Storage::template store<Index, pool_vector>;
+  using ring_type   = detail::copy_ring<Backend, Index>;
+  using slot_type   = detail::ring_slot<Backend, Index>;
+  using step_type   = detail::step_record<Index>;
+  using run_type    = detail::step_run;
 
  public:
   using backend_type  = Backend;   ///< the backend policy
@@ -93,32 +111,28 @@ class RoutingReplay {
                        cuda::std::layout_stride,
                        cuda::std::layout_right>>;
 
-  /// @brief Validates the configuration and allocates D, the stagings and (block-slot) the pool.
+  /// @brief Validates the configuration and allocates D, the ring of Copy::ring_depth snapshots
+  /// and stagings, and (block-slot) the pool. Strategies with a side stream create their own.
   /// @throws error invalid_config, index_type_too_narrow, host_memory_exhausted, backend_error
-  explicit RoutingReplay(replay_config config)
-    : config_(validated(std::move(config))),
-      num_layers_(static_cast<std::int32_t>(config_.moe_layers.size())),
-      row_elems_(static_cast<std::int64_t>(num_layers_) * config_.top_k),
-      layer_slots_(layer_slots_of(config_)),
-      buffer_(static_cast<std::size_t>(config_.max_tokens_per_step) *
-                static_cast<std::size_t>(row_elems_),
-              traits::sentinel),
-      device_status_(1),
-      store_(config_, row_elems_)
+  explicit RoutingReplay(replay_config config) : RoutingReplay(std::move(config), std::nullopt) {}
+
+  /// @brief As above, with copies on the engine's `copy_stream` (strategies with a side stream;
+  /// the stream must outlive this object and should not be the compute stream).
+  RoutingReplay(replay_config config, stream_ref copy_stream)
+    requires(Copy::uses_side_stream)
+    : RoutingReplay(std::move(config), std::optional<stream_ref>{copy_stream})
   {
-    ring_.reserve(static_cast<std::size_t>(Copy::ring_depth));
-    for (int i = 0; i < Copy::ring_depth; ++i) {
-      ring_.emplace_back(static_cast<std::size_t>(config_.max_tokens_per_step) *
-                         static_cast<std::size_t>(row_elems_));
-    }
   }
 
-  /// @brief Moves the buffers; device references handed out earlier stay valid (same memory).
+  /// @brief Moves the buffers; device references handed out earlier stay valid (same memory), and
+  /// so does the stream copies run on.
   RoutingReplay(RoutingReplay&&) noexcept = default;
-  /// @brief Move assignment; the replaced object must have no step in flight.
+  /// @brief Move assignment; first waits for every copy the replaced object has in flight (its
+  /// unfiled steps are lost: drain() it first to keep them).
   RoutingReplay& operator=(RoutingReplay&&) noexcept = default;
   RoutingReplay(const RoutingReplay&)                = delete;
   RoutingReplay& operator=(const RoutingReplay&)     = delete;
+  /// @brief Waits for every copy in flight (unfiled steps are dropped), then frees everything.
   ~RoutingReplay() = default;
 
   // ---------------------------------------------------------------------------------------------
@@ -133,8 +147,15 @@ class RoutingReplay {
   [[nodiscard]] std::int32_t top_k() const noexcept { return config_.top_k; }
   /// @brief Ids per row (L * K).
   [[nodiscard]] std::int64_t row_size() const noexcept { return row_elems_; }
-  /// @brief Bytes of the device buffer D: N_max * L * K * sizeof(Index).
+  /// @brief Bytes of the device buffer D: N_max * L * K * sizeof(Index) (capture paths write it).
   [[nodiscard]] std::size_t device_bytes() const noexcept { return buffer_.size() * sizeof(Index); }
+  /// @brief Bytes of the device snapshots the copies read: Copy::ring_depth more buffers like D.
+  [[nodiscard]] std::size_t snapshot_bytes() const noexcept
+  {
+    return static_cast<std::size_t>(Copy::ring_depth) * buffer_.size() * sizeof(Index);
+  }
+  /// @brief Steps whose rows are still in flight (copied or scattered, not yet filed).
+  [[nodiscard]] std::size_t steps_in_flight() const noexcept { return ring_.size(); }
   /// @brief Bytes of host row storage in use.
   [[nodiscard]] std::size_t host_bytes() const noexcept { return store_.bytes_in_use(); }
   /// @brief Live requests.
@@ -180,16 +201,22 @@ class RoutingReplay {
   {
     const std::uint32_t h = requests_.find(id);
     check_cached_prefix(id, cached_slots);
+    // binding keeps positions that hold a row of the request's own: file its steps first
+    if constexpr (store_type::slot_indexed && !device_scatters) { drain_for(h); }
     bind_cached_prefix(h, cached_slots);
   }
 
   /// @brief Whether a request is live.
   [[nodiscard]] bool contains(request_key id) const { return requests_.contains(id); }
 
-  /// @brief T: one past the highest committed position of a request.
-  [[nodiscard]] std::int64_t recorded_rows(request_key id) const
+  /// @brief T: one past the highest committed position of a request (files the request's steps
+  /// still in flight first).
+  /// @throws error unknown_request; as drain() for a step filed on the way
+  [[nodiscard]] std::int64_t recorded_rows(request_key id)
   {
-    return requests_[requests_.find(id)].recorded_rows;
+    const std::uint32_t h = requests_.find(id);
+    drain_for(h);
+    return requests_[h].recorded_rows;
   }
 
   /// @brief Resolves the oldest pending draft group of a request: the first `num_accepted` drafts
@@ -219,12 +246,16 @@ class RoutingReplay {
   /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any
   /// live request may be extracted (rows of an open step are not included).
   ///
-  /// Per-request storage returns a zero-copy view (unless include_dense_layers); block-slot
-  /// storage gathers a copy. Missing or stale rows hold the sentinel.
-  /// @throws error unknown_request, draft_error (unresolved drafts), position_out_of_range
+  /// First files the steps still in flight that the request's rows depend on, and no later ones.
+  /// Per-request storage returns a zero-copy view (valid until the next begin_step or release of
+  /// the request) unless include_dense_layers; block-slot storage gathers a copy. Missing or stale
+  /// rows hold the sentinel.
+  /// @throws error unknown_request, draft_error (unresolved drafts), position_out_of_range; as
+  /// drain() for a step filed on the way
   [[nodiscard]] result_type extract(request_key id, const extract_options& options = {})
   {
-    const std::uint32_t h   = requests_.find(id);
+    const std::uint32_t h = requests_.find(id);
+    drain_for(h);
     const auto [begin, end] = extraction_range(id, h, options);
     const std::int64_t prompt =
       options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
@@ -247,7 +278,8 @@ class RoutingReplay {
   /// @throws error as extract(), and invalid_argument if `out` is too small
   std::int64_t extract_into(request_key id, std::span<Index> out, const extract_options& options = {})
   {
-    const std::uint32_t h   = requests_.find(id);
+    const std::uint32_t h = requests_.find(id);
+    drain_for(h);
     const auto [begin, end] = extraction_range(id, h, options);
     const std::int64_t need = (end - begin) * output_row_size(options);
     if (static_cast<std::int64_t>(out.size()) < need) {
@@ -262,12 +294,14 @@ class RoutingReplay {
   /// @brief Block-slot storage: copies the rows of whole KV blocks, block after block, into `out`
   /// ([blocks.size() * block_size, L, K]), so they can follow their KV to another tier or instance
   /// (prefill/decode disaggregation). Rows never recorded hold the sentinel.
+  /// Files every step in flight first.
   /// @throws error slot_out_of_range (a block outside the pool), invalid_argument (`out` too small),
-  /// invalid_state (a step is open)
-  void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out) const
+  /// invalid_state (a step is open); as drain()
+  void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out)
     requires(store_type::slot_indexed)
   {
     check_block_transfer("export_blocks", blocks, out.size());
+    drain();
     store_.export_blocks(blocks, out.data());
   }
 
@@ -279,6 +313,7 @@ class RoutingReplay {
     requires(store_type::slot_indexed)
   {
     check_block_transfer("import_blocks", blocks, rows.size());
+    drain();  // rows still on their way to these blocks belong to their previous generation
     store_.import_blocks(blocks, rows.data());
   }
 
@@ -319,17 +354,29 @@ class RoutingReplay {
     retire(h);
   }
 
-  /// @brief Drops a request at any time, including rows of the open step and rows still in flight.
+  /// @brief Drops a request at any time, including rows of the open step and rows still in flight
+  /// (with block-slot storage, rows of steps that already ended still land at their slots, for
+  /// other requests' prefix hits; with device_scatter, so do the open step's).
   /// @throws error unknown_request
-  void abort(request_key id) { retire(requests_.find(id)); }
+  void abort(request_key id)
+  {
+    const std::uint32_t h = requests_.find(id);
+    if (in_step_ && requests_[h].open_step == step_serial_) {
+      for (auto& run : open_step_.runs) {
+        if (run.handle == h) { run.dropped = true; }
+      }
+    }
+    retire(h);
+  }
   /// @}
 
   // ---------------------------------------------------------------------------------------------
   /// @name Steps
   /// @{
 
-  /// @brief Opens a step: validates the plan, reserves host storage, and orders the compute stream
-  /// after any copy still reading D. All host errors of a step surface here, before any change.
+  /// @brief Opens a step: validates the plan and reserves host storage. All host errors of a step
+  /// surface here, before any change. Block-slot storage takes the step's fresh blocks now, and
+  /// device_scatter decides where every row of the step will go.
   /// @throws error invalid_state, too_many_tokens, unknown_request, duplicate_request,
   /// position_out_of_range, slot_out_of_range, invalid_plan, host_memory_exhausted
   void begin_step(const step_plan& plan, stream_ref compute)
@@ -348,42 +395,63 @@ class RoutingReplay {
     validate_plan(plan);
     if (dirty_outside_steps_) {
       // a forward ran outside any step (warm-up, profiling): its rows must not pass for this step's
-      enqueue_reset(std::max(rows_outside_steps_, plan.num_rows()), compute);
-      dirty_outside_steps_ = false;
+      reset_outside_rows(std::max(rows_outside_steps_, plan.num_rows()), compute);
     }
 
     // past this point nothing throws a library error: the step is committed
-    in_flight& slot = ring_[next_slot_];
-    build_scatter_plan(plan, slot.plan);
+    build_step(plan, open_step_);
     rows_this_step_ = 0;
     in_step_        = true;
   }
 
-  /// @brief Closes the step after its forward has been enqueued on `compute`: checks rows [0, N)
-  /// on the device, copies them off D, resets D for the next step, and files them per the copy
-  /// strategy (sync_copy: waits and files now).
+  /// @brief Closes the step after its forward has been enqueued on `compute`.
+  ///
+  /// One kernel on `compute` checks rows [0, N) (unwritten rows, ids outside [0, E)), snapshots
+  /// them and resets D, so the next forward may start at once; the copy (or, with device_scatter,
+  /// the scatter kernel) reads the snapshot, on `compute` for sync_copy and on the side stream
+  /// otherwise. Then sync_copy waits and files the step; async_event first files the previous step
+  /// (waiting for its copy if needed); double_buffered and device_scatter file, without blocking,
+  /// every earlier step whose copy has completed, and block only when the ring is full.
   /// @throws error invalid_state; invalid_expert_id, missing_routing, invalid_argument when the
-  /// device reported a problem (the step is then discarded as a whole); backend_error
+  /// device reported a problem in the step filed (this one with sync_copy, an earlier one
+  /// otherwise; the message names it, and it is discarded as a whole); backend_error
   void end_step(stream_ref compute)
   {
     if (!in_step_) {
       throw error{errc::invalid_state, "end_step without an open step; call begin_step first"};
     }
-    in_step_        = false;
-    in_flight& slot = ring_[next_slot_];
-    next_slot_      = (next_slot_ + 1) % ring_.size();
+    in_step_ = false;
+    std::exception_ptr earlier_step_error;
+    if (ring_.full()) { retire_oldest_keeping(earlier_step_error); }
+
+    slot_type& slot = ring_.next();
+    std::swap(slot.step, open_step_);
     try {
-      enqueue_copy(slot, compute);
-      Backend::synchronize(slot.copied);
+      enqueue_snapshot(slot, compute);
+      enqueue_copy(slot, Copy::uses_side_stream ? *copy_stream_ : compute);
     } catch (...) {
-      discard(slot.plan);  // the backend failed: the step's rows never arrive
+      discard(slot.step);  // the backend failed: the step's rows never arrive
       throw;
     }
-    file(slot);
+    ring_.push();
+
+    if constexpr (Copy::timing == scatter_timing::at_end_of_step) {
+      retire_oldest();
+    } else if constexpr (Copy::ring_depth > 1) {
+      while (ring_.size() > 0 && earlier_step_error == nullptr && Backend::ready(ring_.oldest().copied)) {
+        retire_oldest_keeping(earlier_step_error);
+      }
+    }
+    if (earlier_step_error) { std::rethrow_exception(earlier_step_error); }
   }
 
-  /// @brief Files every step still in flight (nothing is in flight with sync_copy).
-  void drain() {}
+  /// @brief Files every step still in flight, waiting for their copies.
+  /// @throws error as end_step() for a device-reported problem in one of them (the steps after it
+  /// stay in flight: call drain() again); backend_error
+  void drain()
+  {
+    while (ring_.size() > 0) { retire_oldest(); }
+  }
 
   /// @brief Resets every row capture paths were handed to the sentinel, on `stream`. Needed only
   /// when an engine replays a recorded forward outside any step (a warm-up graph replay); capture
@@ -393,8 +461,7 @@ class RoutingReplay {
     if (in_step_) {
       throw error{errc::invalid_state, "reset_device_buffer inside an open step would erase it"};
     }
-    enqueue_reset(std::max<std::int64_t>(rows_outside_steps_, config_.max_tokens_per_step), stream);
-    dirty_outside_steps_ = false;
+    reset_outside_rows(std::max<std::int64_t>(rows_outside_steps_, config_.max_tokens_per_step), stream);
   }
   /// @}
 
@@ -479,33 +546,31 @@ class RoutingReplay {
   /// @}
 
  private:
-  /// @brief One staging of the copy ring and the step whose rows it holds.
-  struct in_flight {
-    explicit in_flight(std::size_t elems) : staging(elems), status(1) {}
-
-    typename Backend::template pinned_vector<Index> staging;
-    typename Backend::template pinned_vector<detail::step_status> status;
-    typename Backend::event copied;
-    /// @brief One scheduled request of the step, resolved to its handle.
-    struct run {
-      std::uint32_t handle;         ///< request handle
-      std::uint32_t generation;     ///< handle generation when planned (aborted if it moved on)
-      std::int64_t first_row;       ///< first row of the step
-      std::int64_t first_position;  ///< position of that row
-      std::int32_t num_tokens;      ///< rows
-      std::int32_t num_draft;       ///< trailing draft rows
-      std::int64_t slots_begin;     ///< index into plan_type::slots, -1 without slots
-    };
-    /// @brief Everything filing needs, copied out of the step_plan at begin_step.
-    struct plan_type {
-      std::uint64_t serial  = 0;              ///< step serial
-      std::int64_t num_rows = 0;              ///< N
-      std::vector<run> runs;                  ///< scheduled requests in batch order
-      std::vector<std::int64_t> slots;        ///< KV slots of every run, flat
-      std::vector<std::int64_t> fresh_blocks; ///< blocks declared fresh
-      std::int64_t padded_rows = -1;          ///< rows the forward writes, if declared
-    } plan;                                   ///< the step held by this staging
-  };
+  // The delegated-to constructor: `copy_stream` empty means "create one if the strategy uses one".
+  RoutingReplay(replay_config config, std::optional<stream_ref> copy_stream)
+    : config_(validated(std::move(config))),
+      num_layers_(static_cast<std::int32_t>(config_.moe_layers.size())),
+      row_elems_(static_cast<std::int64_t>(num_layers_) * config_.top_k),
+      layer_slots_(layer_slots_of(config_)),
+      buffer_(static_cast<std::size_t>(config_.max_tokens_per_step) *
+                static_cast<std::size_t>(row_elems_),
+              traits::sentinel),
+      device_status_(1),
+      store_(config_, row_elems_),
+      ring_(Copy::ring_depth,
+            static_cast<std::size_t>(config_.max_tokens_per_step),
+            static_cast<std::size_t>(row_elems_),
+            !device_scatters)
+  {
+    if constexpr (Copy::uses_side_stream) {
+      if (copy_stream) {
+        copy_stream_ = copy_stream;
+      } else {
+        own_copy_stream_.emplace();
+        copy_stream_.emplace(own_copy_stream_->ref());
+      }
+    }
+  }
 
   // -- configuration ------------------------------------------------------------------------------
 
@@ -604,7 +669,10 @@ class RoutingReplay {
   {
     const auto n = static_cast<std::int64_t>(cached_slots.size());
     store_.bind_cached(h, cached_slots);
-    requests_[h].recorded_rows = std::max(requests_[h].recorded_rows, n);
+    auto& r         = requests_[h];
+    r.recorded_rows = std::max(r.recorded_rows, n);
+    // the cached rows may still be on their way, from any step planned so far
+    if (store_type::slot_indexed && n > 0) { r.reads_step = step_serial_; }
   }
 
   // -- device buffer ------------------------------------------------------------------------------
@@ -648,10 +716,20 @@ class RoutingReplay {
     }
   }
 
-  [[nodiscard]] std::int64_t rows_to_reset(const typename in_flight::plan_type& plan) const noexcept
+  [[nodiscard]] std::int64_t rows_to_reset(const step_type& step) const noexcept
   {
-    const std::int64_t replayed = plan.padded_rows >= 0 ? plan.padded_rows : rows_outside_steps_;
-    return std::max({plan.num_rows, rows_this_step_, replayed});
+    const std::int64_t replayed = step.padded_rows >= 0 ? step.padded_rows : rows_outside_steps_;
+    return std::max({step.num_rows, rows_this_step_, replayed});
+  }
+
+  // Rows written while no step was open are reset, and whatever their capture paths reported is
+  // forgotten, so neither can pass for the next step's.
+  void reset_outside_rows(std::int64_t rows, stream_ref stream)
+  {
+    enqueue_reset(rows, stream);
+    Backend::fill_2d_async(Backend::data(device_status_), sizeof(detail::step_status), 0,
+                           sizeof(detail::step_status), 1, stream);
+    dirty_outside_steps_ = false;
   }
 
   // Fills rows [0, rows) of every layer of D with the sentinel, on `stream`.
@@ -728,15 +806,20 @@ class RoutingReplay {
     }
   }
 
-  void build_scatter_plan(const step_plan& plan, typename in_flight::plan_type& out)
+  void build_step(const step_plan& plan, step_type& out)
   {
     ++step_serial_;
-    out.serial   = step_serial_;
-    out.num_rows = plan.num_rows();
+    out.serial      = step_serial_;
+    out.num_rows    = plan.num_rows();
     out.padded_rows = plan.padded_rows();
     out.runs.clear();
     out.slots.clear();
+    out.generations.clear();
+    out.ops.clear();
     out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());
+    // the blocks are the engine's from this step on: later plans and prefix hits see the new
+    // generation even while earlier steps' rows for the old one are still in flight
+    store_.refresh_blocks(out.fresh_blocks);
     auto handle = planned_handles_.begin();
     for (const auto& entry : plan.entries()) {
       const scheduled_request& s = entry.request;
@@ -745,11 +828,13 @@ class RoutingReplay {
       auto& r               = requests_[h];
       store_.reserve(h, s.first_position + s.num_tokens, exact_growth_);
       r.open_step                   = step_serial_;
+      r.reads_step                  = step_serial_;
       const std::int64_t slot_begin = store_type::slot_indexed
                                         ? static_cast<std::int64_t>(out.slots.size())
                                         : std::int64_t{-1};
       if constexpr (store_type::slot_indexed) {
         out.slots.insert(out.slots.end(), s.slots.begin(), s.slots.end());
+        for (const std::int64_t slot : s.slots) { out.generations.push_back(store_.generation_of(slot)); }
       }
       out.runs.push_back({h, r.generation, entry.first_row, s.first_position, s.num_tokens,
                           s.num_draft_tokens, slot_begin});
@@ -764,106 +849,188 @@ class RoutingReplay {
         r.drafts.push_back(g);
       }
     }
+    if constexpr (device_scatters) {
+      // the kernel needs every row's place before it runs: claim now, on the host's timeline
+      for (const auto& run : out.runs) {
+        file_run(run, requests_[run.handle], out, [&](detail::row_claim<Index> c, std::int64_t row) {
+          out.ops.push_back(detail::scatter_op<Index>{c.dst, c.copy_from, row});
+        });
+      }
+    }
   }
 
   // -- copy pipeline ------------------------------------------------------------------------------
 
-  // Check rows [0, N) on the device, move them and the status to the staging, then reset D and the
-  // status so the next step starts from "nothing recorded".
-  void enqueue_copy(in_flight& slot, stream_ref stream)
+  // On the compute stream: one kernel checks rows [0, N), snapshots them token-major and resets
+  // every row any capture path may have written; D is free for the next forward when it ends.
+  void enqueue_snapshot(slot_type& slot, stream_ref compute)
   {
-    const auto n        = static_cast<std::int32_t>(slot.plan.num_rows);
-    const auto rows_cap = static_cast<std::size_t>(config_.max_tokens_per_step);
-    const std::size_t k_bytes = static_cast<std::size_t>(config_.top_k) * sizeof(Index);
-    Index* d                  = Backend::data(buffer_);
-    auto* status              = Backend::data(device_status_);
-    if (n > 0) {
-      Backend::bulk_async(
-        static_cast<std::int64_t>(num_layers_) * n,
-        detail::check_rows<Index, Layout>{
-          buffer_mdspan<const Index, Layout>{d, num_layers_, config_.max_tokens_per_step, config_.top_k},
-          status,
-          config_.num_experts,
-          n},
-        stream);
-      if constexpr (layout_traits<Layout>::token_rows_contiguous) {
-        Backend::copy_async(Backend::data(slot.staging), d,
-                            static_cast<std::size_t>(n) * static_cast<std::size_t>(row_elems_) * sizeof(Index),
-                            stream);
-      } else {
-        // L slabs of n rows, packed (L, n, K) in the staging
-        Backend::copy_2d_async(Backend::data(slot.staging), n * k_bytes, d, rows_cap * k_bytes,
-                               n * k_bytes, static_cast<std::size_t>(num_layers_), stream);
-      }
+    step_type& step = slot.step;
+    step.reset_rows = rows_to_reset(step);
+    if (step.reset_rows > 0) {
+      Backend::bulk_async(step.reset_rows * num_layers_,
+                          detail::harvest_rows<Index, Layout>{buffer_view(),
+                                                              Backend::data(slot.snapshot),
+                                                              Backend::data(slot.device_status),
+                                                              Backend::data(device_status_),
+                                                              config_.num_experts,
+                                                              static_cast<std::int32_t>(step.num_rows),
+                                                              static_cast<std::int32_t>(step.reset_rows)},
+                          compute);
     }
+    if constexpr (Copy::uses_side_stream) { Backend::record(slot.snapshot_taken, compute); }
+  }
+
+  // On the copy stream, after the snapshot: the rows to the pinned staging (or, with device
+  // scatter, the planned rows straight to their places), then the step's status; the status is
+  // zeroed for the slot's next step.
+  void enqueue_copy(slot_type& slot, stream_ref stream)
+  {
+    const step_type& step = slot.step;
+    if constexpr (Copy::uses_side_stream) { Backend::wait(stream, slot.snapshot_taken); }
+    const auto elems = static_cast<std::size_t>(step.num_rows * row_elems_);
+    if constexpr (device_scatters) {
+      const std::size_t num_ops = step.ops.size();
+      if (num_ops > 0) {
+        std::copy(step.ops.begin(), step.ops.end(), Backend::data(slot.ops));
+        Backend::copy_async(Backend::data(slot.device_ops), Backend::data(slot.ops),
+                            num_ops * sizeof(detail::scatter_op<Index>), stream);
+        Backend::bulk_async(static_cast<std::int64_t>(num_ops) * row_elems_,
+                            detail::scatter_rows<Index>{Backend::data(slot.device_ops),
+                                                        Backend::data(slot.snapshot),
+                                                        Backend::data(slot.device_status),
+                                                        row_elems_},
+                            stream);
+      }
+    } else {
+      Backend::copy_async(Backend::data(slot.staging), Backend::data(slot.snapshot),
+                          elems * sizeof(Index), stream);
+    }
+    auto* status = Backend::data(slot.device_status);
     Backend::copy_async(Backend::data(slot.status), status, sizeof(detail::step_status), stream);
-    enqueue_reset(rows_to_reset(slot.plan), stream);
     Backend::fill_2d_async(status, sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, stream);
     Backend::record(slot.copied, stream);
   }
 
+  // Waits for the oldest step's copy, takes it out of the ring and files it.
+  void retire_oldest()
+  {
+    slot_type& slot = ring_.oldest();
+    try {
+      Backend::synchronize(slot.copied);
+    } catch (...) {
+      ring_.pop();
+      discard(slot.step);
+      throw;
+    }
+    ring_.pop();  // filing may throw (a device-reported problem): the step leaves the ring anyway
+    file(slot);
+  }
+
+  void retire_oldest_keeping(std::exception_ptr& first_error)
+  {
+    try {
+      retire_oldest();
+    } catch (...) {
+      if (!first_error) { first_error = std::current_exception(); }
+    }
+  }
+
+  // Files every step up to `serial`, oldest first, and no later one.
+  void drain_through(std::uint64_t serial)
+  {
+    while (ring_.size() > 0 && ring_.oldest().step.serial <= serial) { retire_oldest(); }
+  }
+
+  // Files what a request's rows may still be waiting for.
+  void drain_for(std::uint32_t h) { drain_through(requests_[h].reads_step); }
+
   // -- filing -------------------------------------------------------------------------------------
 
-  // What happens to a step whatever its verdict: its KV blocks were allocated, its requests are no
-  // longer in an open step.
-  void close_out(const typename in_flight::plan_type& plan)
+  // What happens to a step whatever its verdict: its requests are no longer in an open step.
+  void close_out(const step_type& step)
   {
-    store_.refresh_blocks(plan.fresh_blocks);
-    for (const auto& run : plan.runs) {
+    for (const auto& run : step.runs) {
       auto& r = requests_[run.handle];
-      if (r.generation == run.generation && r.open_step == plan.serial) { r.open_step = 0; }
+      if (r.generation == run.generation && r.open_step == step.serial) { r.open_step = 0; }
     }
   }
 
   // A step whose rows will never be filed.
-  void discard(const typename in_flight::plan_type& plan)
+  void discard(const step_type& step)
   {
-    close_out(plan);
-    drop_drafts_of(plan);
+    close_out(step);
+    drop_drafts_of(step);
   }
 
-  // The staging holds the step; the device verdict decides whether it is stored at all.
-  void file(in_flight& slot)
+  // The step's rows and verdict have arrived; the verdict decides whether it is stored at all.
+  // With device scatter the rows are already in place (or replaced by the sentinel if the verdict
+  // is bad): only the verdict is left to deliver.
+  void file(slot_type& slot)
   {
-    const auto& plan                  = slot.plan;
+    const step_type& step             = slot.step;
     const detail::step_status& status = *Backend::data(slot.status);
     if (!status.clean()) {
-      discard(plan);
-      throw error{status_error_code(status), describe(status, plan)};
+      discard(step);
+      throw error{status_error_code(status), describe(status, step)};
     }
-    close_out(plan);
-    const Index* staging = Backend::data(slot.staging);
-    for (const auto& run : plan.runs) {
-      auto& r = requests_[run.handle];
-      if (r.generation != run.generation) { continue; }  // aborted while in flight
-      file_run(run, r, staging, plan);
+    close_out(step);
+    if constexpr (!device_scatters) {
+      const Index* staging = Backend::data(slot.staging);
+      const auto row_bytes = static_cast<std::size_t>(row_elems_) * sizeof(Index);
+      auto place           = [&](detail::row_claim<Index> c, std::int64_t row) {
+        std::memcpy(c.dst, c.copy_from != nullptr ? c.copy_from : staging + row * row_elems_, row_bytes);
+      };
+      for (const auto& run : step.runs) {
+        auto& r = requests_[run.handle];
+        if (r.generation == run.generation) {
+          file_run(run, r, step, place);
+        } else if constexpr (store_type::slot_indexed) {
+          if (!run.dropped) { file_orphan_run(run, step, place); }
+        }
+      }
     }
   }
 
-  void file_run(const typename in_flight::run& run,
-                detail::request_state& r,
-                const Index* staging,
-                const typename in_flight::plan_type& plan)
+  // Rows of a request released or aborted after its step ended still land at their slots, where
+  // prefix hits of other requests find them (draft rows, never accepted, do not).
+  template <class Place>
+  void file_orphan_run(const run_type& run, const step_type& step, Place&& place)
+  {
+    for (std::int32_t i = 0; i < run.num_tokens - run.num_draft; ++i) {
+      const auto at = static_cast<std::size_t>(run.slots_begin + i);
+      const auto c  = store_.claim_slot(step.slots[at], step.generations[at], config_.overwrite_recomputed_rows);
+      if (c.dst != nullptr) { place(c, run.first_row + i); }
+    }
+  }
+
+  // Claims the rows of one scheduled request and hands each claimed one to `place(claim, row)`.
+  template <class Place>
+  void file_run(const run_type& run, detail::request_state& r, const step_type& step, Place&& place)
   {
     detail::draft_group* group = nullptr;
     if (run.num_draft > 0) {
       for (auto& g : r.drafts) {
-        if (g.step_serial == plan.serial) { group = &g; }
+        if (g.step_serial == step.serial) { group = &g; }
       }
     }
     const std::int32_t committed = run.num_tokens - run.num_draft;
     for (std::int32_t i = 0; i < run.num_tokens; ++i) {
       const std::int64_t position = run.first_position + i;
-      const std::int64_t slot     = run.slots_begin >= 0 ? plan.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
+      const auto at               = static_cast<std::size_t>(run.slots_begin + i);
+      const std::int64_t slot     = run.slots_begin >= 0 ? step.slots[at] : -1;
+      const std::uint32_t planned = run.slots_begin >= 0 ? step.generations[at] : 0u;
       const std::int32_t d        = i - committed;
       const bool draft            = d >= 0 && group != nullptr;
       if (draft && group->accepted >= 0 && d >= group->accepted) { continue; }  // already rejected
       const bool tentative = draft && group->accepted < 0;
       const bool taken     = take_over_draft(r, position);  // always: ownership must move
       const bool replace   = taken || config_.overwrite_recomputed_rows;
-      if (Index* row = store_.claim(run.handle, position, slot, replace)) {
-        copy_row(staging, plan.num_rows, run.first_row + i, row);
-        if (tentative) { group->owned |= 1u << d; }
+      const auto c         = store_.claim(run.handle, position, slot, planned, replace);
+      if (c.dst != nullptr) {
+        place(c, run.first_row + i);
+        // a tentative row owns its slot only if it is its own (not an earlier row that followed)
+        if (tentative && c.copy_from == nullptr) { group->owned |= 1u << d; }
       }
       if (!tentative) { r.recorded_rows = std::max(r.recorded_rows, position + 1); }
     }
@@ -888,19 +1055,6 @@ class RoutingReplay {
     return taken;
   }
 
-  void copy_row(const Index* staging, std::int64_t num_rows, std::int64_t row, Index* out) const noexcept
-  {
-    if constexpr (layout_traits<Layout>::token_rows_contiguous) {
-      std::memcpy(out, staging + row * row_elems_, static_cast<std::size_t>(row_elems_) * sizeof(Index));
-    } else {
-      const std::size_t k = static_cast<std::size_t>(config_.top_k);
-      for (std::int32_t l = 0; l < num_layers_; ++l) {
-        std::memcpy(out + l * k, staging + (l * num_rows + row) * static_cast<std::int64_t>(k),
-                    k * sizeof(Index));
-      }
-    }
-  }
-
   void resolve_filed_group(std::uint32_t h, const detail::draft_group& g)
   {
     auto& r = requests_[h];
@@ -912,12 +1066,12 @@ class RoutingReplay {
     if (g.accepted > 0) { r.recorded_rows = std::max(r.recorded_rows, g.first_position + g.accepted); }
   }
 
-  void drop_drafts_of(const typename in_flight::plan_type& plan)
+  void drop_drafts_of(const step_type& step)
   {
-    for (const auto& run : plan.runs) {
+    for (const auto& run : step.runs) {
       auto& r = requests_[run.handle];
       if (run.num_draft == 0 || r.generation != run.generation) { continue; }
-      std::erase_if(r.drafts, [&](const detail::draft_group& g) { return g.step_serial == plan.serial; });
+      std::erase_if(r.drafts, [&](const detail::draft_group& g) { return g.step_serial == step.serial; });
     }
   }
 
@@ -936,7 +1090,7 @@ class RoutingReplay {
     return errc::missing_routing;
   }
 
-  [[nodiscard]] std::string describe_row(const typename in_flight::plan_type& plan, std::int64_t row) const
+  [[nodiscard]] std::string describe_row(const step_type& plan, std::int64_t row) const
   {
     for (const auto& run : plan.runs) {
       if (row >= run.first_row && row < run.first_row + run.num_tokens) {
@@ -958,7 +1112,7 @@ class RoutingReplay {
   }
 
   [[nodiscard]] std::string describe(const detail::step_status& s,
-                                     const typename in_flight::plan_type& plan) const
+                                     const step_type& plan) const
   {
     const std::string step = "step " + std::to_string(plan.serial) + ": ";
     const std::string tail = "; the step was discarded, nothing of it was stored";
@@ -1060,8 +1214,6 @@ class RoutingReplay {
   std::vector<std::int32_t> layer_slots_;  // model layer -> captured slot, -1 if not captured
   typename Backend::template device_vector<Index> buffer_;                  // D
   typename Backend::template device_vector<detail::step_status> device_status_;
-  std::vector<in_flight> ring_;
-  std::size_t next_slot_ = 0;
   std::vector<std::uint32_t> planned_handles_;  // handles of a plan's runs, found once per step
   store_type store_;
   detail::request_registry requests_;
@@ -1072,6 +1224,12 @@ class RoutingReplay {
   bool dirty_outside_steps_        = false;
   bool exact_growth_             = false;
   bool in_step_                  = false;
+  step_type open_step_;  // the open step's record, swapped into a ring slot at end_step
+  std::optional<typename Backend::stream> own_copy_stream_;  // when the engine supplies none
+  std::optional<stream_ref> copy_stream_;                   // strategies with a side stream
+  // Last: destroyed first, it waits for every copy in flight while what they write (stagings,
+  // the pool of a device scatter) and the stream they run on still exist.
+  ring_type ring_;
 };
 
 }  // namespace routing_replay

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <routing_replay/config.hpp>
+#include <routing_replay/detail/row_claim.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -23,7 +25,14 @@ namespace routing_replay::detail {
 /// A block's generation grows whenever the engine declares it freshly allocated; a position whose
 /// recorded generation differs from its block's current one is stale and reads as missing, never as
 /// another request's routing.
-template <class Index>
+///
+/// Which slot holds a row is metadata (the generation it was claimed in), never inferred from the
+/// row's contents: claims can then be decided before the rows arrive (device scatter decides them
+/// when a step begins, while earlier steps' rows are still on their way), and the host never writes
+/// pool memory a kernel may be writing. Reads also require a non-sentinel row, so rows a failed
+/// step replaced with the sentinel read as missing.
+/// @tparam Rows the pool's container: std::vector, or a pinned vector that kernels can write
+template <class Index, class Rows = std::vector<Index>>
 class block_slot_store {
  public:
   /// @brief Whether rows live at KV slots (true: at slots).
@@ -49,7 +58,9 @@ class block_slot_store {
                     std::to_string(limit_)};
     }
     rows_.assign(static_cast<std::size_t>(num_slots_ * row_elems_), index_traits<Index>::sentinel);
-    generation_.assign(static_cast<std::size_t>(config.num_blocks), 0u);
+    base_ = std::to_address(rows_.data());
+    generation_.assign(static_cast<std::size_t>(config.num_blocks), 1u);  // 0 means "never"
+    claimed_in_.assign(static_cast<std::size_t>(num_slots_), 0u);
     slot_stamp_.assign(static_cast<std::size_t>(num_slots_), 0u);
   }
 
@@ -79,7 +90,7 @@ class block_slot_store {
     auto& map = positions_[h];
     if (map.size() < cached_slots.size()) { map.resize(cached_slots.size(), slot_ref{}); }
     for (std::size_t p = 0; p < cached_slots.size(); ++p) {
-      if (valid_row(map[p]) == nullptr) {
+      if (!claimed(map[p])) {
         map[p] = slot_ref{cached_slots[p], generation_[block_of(cached_slots[p])]};
       }
     }
@@ -137,6 +148,12 @@ class block_slot_store {
   }
   /// @brief Bytes allocated for rows (the whole pool).
   [[nodiscard]] std::size_t bytes_in_use() const noexcept { return rows_.size() * sizeof(Index); }
+  /// @brief The current generation of the block holding `slot` (rows claimed for it are planned
+  /// with it, and dropped if the block is reallocated before they arrive).
+  [[nodiscard]] std::uint32_t generation_of(std::int64_t slot) const noexcept
+  {
+    return generation_[block_of(slot)];
+  }
   /// @brief The host memory limit.
   [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
 
@@ -150,14 +167,10 @@ class block_slot_store {
   }
 
   /// @brief A new KV allocation of these blocks: their old rows become stale for everyone.
+  /// Metadata only: a new generation makes every earlier claim on the blocks stale.
   void refresh_blocks(std::span<const std::int64_t> blocks)
   {
-    for (const std::int64_t b : blocks) {
-      ++generation_[static_cast<std::size_t>(b)];
-      std::fill_n(rows_.data() + b * block_size_ * row_elems_,
-                  block_size_ * row_elems_,
-                  index_traits<Index>::sentinel);
-    }
+    for (const std::int64_t b : blocks) { ++generation_[static_cast<std::size_t>(b)]; }
   }
 
   /// @brief Copies the rows of whole blocks, block after block, to `out`
@@ -165,7 +178,15 @@ class block_slot_store {
   void export_blocks(std::span<const std::int64_t> blocks, Index* out) const
   {
     for (const std::int64_t b : blocks) {
-      out = std::copy_n(rows_.data() + b * block_size_ * row_elems_, block_size_ * row_elems_, out);
+      for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, out += row_elems_) {
+        const Index* row = row_at(slot);
+        if (claimed_in_[static_cast<std::size_t>(slot)] == generation_of(slot) &&
+            row[0] != index_traits<Index>::sentinel) {
+          std::copy_n(row, row_elems_, out);
+        } else {
+          std::fill_n(out, row_elems_, index_traits<Index>::sentinel);
+        }
+      }
     }
   }
 
@@ -176,8 +197,11 @@ class block_slot_store {
   {
     refresh_blocks(blocks);
     for (const std::int64_t b : blocks) {
-      std::copy_n(rows, block_size_ * row_elems_, rows_.data() + b * block_size_ * row_elems_);
-      rows += block_size_ * row_elems_;
+      for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, rows += row_elems_) {
+        std::copy_n(rows, row_elems_, row_at(slot));
+        claimed_in_[static_cast<std::size_t>(slot)] =
+          rows[0] != index_traits<Index>::sentinel ? generation_of(slot) : 0u;
+      }
     }
   }
 
@@ -189,35 +213,48 @@ class block_slot_store {
     return static_cast<std::int64_t>(generation_.size());
   }
 
-  /// @brief Where the row of (`h`, `position`) at `slot` should be written, or nullptr when an
-  /// existing row stays (first write wins unless `replace`).
+  /// @brief Where the row of (`h`, `position`) at `slot`, planned when the slot's block had
+  /// generation `planned`, should go (first write wins unless `replace`).
   ///
-  /// A row already at the slot stays. Otherwise, if the position has a valid row at another slot
-  /// (recompute after preemption into new blocks), that first row follows it to its new slot.
-  [[nodiscard]] Index* claim(std::uint32_t h, std::int64_t position, std::int64_t slot, bool replace)
+  /// A row already claimed at this slot in this generation stays, whoever claimed it (a request
+  /// sharing the block through the prefix cache computed the same position of the same prefix).
+  /// Otherwise, if the position has a row at another slot (recompute after preemption into new
+  /// blocks), that first row follows it to its new slot. A block reallocated since the step was
+  /// planned makes the row stale: it is dropped.
+  [[nodiscard]] row_claim<Index> claim(std::uint32_t h,
+                                       std::int64_t position,
+                                       std::int64_t slot,
+                                       std::uint32_t planned,
+                                       bool replace)
   {
-    slot_ref& at       = positions_[h][static_cast<std::size_t>(position)];
-    Index* row         = rows_.data() + slot * row_elems_;
-    const Index* prior = valid_row(at);
-    at                 = slot_ref{slot, generation_[block_of(slot)]};
-    if (replace) { return row; }
-    // a row already at this slot in this generation stays, whoever filed it (a request sharing the
-    // block through the prefix cache computed the same position of the same prefix)
-    if (row[0] != index_traits<Index>::sentinel) { return nullptr; }
-    if (prior != nullptr) {
-      std::memcpy(row, prior, static_cast<std::size_t>(row_elems_) * sizeof(Index));
-      return nullptr;
+    slot_ref& at         = positions_[h][static_cast<std::size_t>(position)];
+    const slot_ref prior = at;
+    at                   = slot_ref{slot, planned};
+    if (generation_of(slot) != planned) { return {}; }
+    if (!replace && claimed_in_[static_cast<std::size_t>(slot)] == planned) { return {}; }
+    claimed_in_[static_cast<std::size_t>(slot)] = planned;
+    if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
+    return {row_at(slot), nullptr};
+  }
+
+  /// @brief A row of a request that is gone (released or aborted after its step ended): it still
+  /// lands at its slot, where later prefix hits find it, under the same first-write rule.
+  [[nodiscard]] row_claim<Index> claim_slot(std::int64_t slot, std::uint32_t planned, bool replace)
+  {
+    if (generation_of(slot) != planned ||
+        (!replace && claimed_in_[static_cast<std::size_t>(slot)] == planned)) {
+      return {};
     }
-    return row;
+    claimed_in_[static_cast<std::size_t>(slot)] = planned;
+    return {row_at(slot), nullptr};
   }
 
   /// @brief Forgets the row of (`h`, `position`) (a rejected draft) if it is still current.
+  /// Metadata only, so it is safe while a kernel may still be writing that row.
   void erase(std::uint32_t h, std::int64_t position, std::int64_t slot)
   {
     slot_ref& at = positions_[h][static_cast<std::size_t>(position)];
-    if (at.slot == slot && valid_row(at) != nullptr) {
-      std::fill_n(rows_.data() + slot * row_elems_, row_elems_, index_traits<Index>::sentinel);
-    }
+    if (at.slot == slot && claimed(at)) { claimed_in_[static_cast<std::size_t>(slot)] = 0u; }
     at = slot_ref{};
   }
 
@@ -249,11 +286,22 @@ class block_slot_store {
     return static_cast<std::size_t>(slot / block_size_);
   }
 
-  /// @brief The row a reference points to if its block was not reused since and it holds routing.
+  [[nodiscard]] Index* row_at(std::int64_t slot) const noexcept { return base_ + slot * row_elems_; }
+
+  /// @brief Whether a reference still owns its slot: the block was not reused since, and the slot
+  /// was claimed in that generation (the row may still be on its way).
+  [[nodiscard]] bool claimed(const slot_ref& at) const noexcept
+  {
+    return at.slot >= 0 && generation_of(at.slot) == at.generation &&
+           claimed_in_[static_cast<std::size_t>(at.slot)] == at.generation;
+  }
+
+  /// @brief The row a reference points to if it is claimed and holds routing (rows have arrived:
+  /// readers drain first).
   [[nodiscard]] const Index* valid_row(const slot_ref& at) const noexcept
   {
-    if (at.slot < 0 || generation_[block_of(at.slot)] != at.generation) { return nullptr; }
-    const Index* row = rows_.data() + at.slot * row_elems_;
+    if (!claimed(at)) { return nullptr; }
+    const Index* row = row_at(at.slot);
     return row[0] == index_traits<Index>::sentinel ? nullptr : row;
   }
 
@@ -261,8 +309,10 @@ class block_slot_store {
   std::int64_t block_size_;
   std::int64_t num_slots_;
   std::size_t limit_;
-  std::vector<Index> rows_;
+  Rows rows_;
+  Index* base_ = nullptr;
   std::vector<std::uint32_t> generation_;
+  std::vector<std::uint32_t> claimed_in_;  // per slot: the generation its row was claimed in
   std::vector<std::uint32_t> slot_stamp_;
   std::uint32_t attempt_ = 0;
   std::vector<std::vector<slot_ref>> positions_;

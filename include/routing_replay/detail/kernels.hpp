@@ -40,30 +40,86 @@ struct capture_layer {
   }
 };
 
-/// @brief End-of-step check of D rows [0, N): finds (layer, row) groups still holding the sentinel
-/// (a layer the engine never captured) and values outside [0, E) (written through a view).
+/// @brief End of step, in one kernel on the compute stream: checks D rows [0, N) (a (layer, row)
+/// still holding the sentinel was never captured; a value outside [0, E) came through a view),
+/// snapshots them token-major ([N, L, K], one contiguous row per token) for the copy, and resets
+/// rows [0, reset_rows) to the sentinel so the next forward may write D at once.
 ///
-/// One thread per (layer, row).
+/// One thread per (row, layer), layers fastest so the snapshot is written contiguously. Thread 0
+/// also moves what capture paths reported during the forward into the step's status.
 template <class Index, class Layout>
-struct check_rows {
-  buffer_mdspan<const Index, Layout> buffer;
-  step_status* status;
+struct harvest_rows {
+  buffer_mdspan<Index, Layout> buffer;
+  Index* snapshot;               // [num_rows, L, K]
+  step_status* status;           // the step's status (zero before the kernel)
+  step_status* capture_status;   // what capture()/record() reported; zeroed here
   std::int64_t num_experts;
-  std::int32_t num_rows;
+  std::int32_t num_rows;         // N
+  std::int32_t reset_rows;       // >= N: rows any capture path may have written
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
   {
-    const auto layer = static_cast<std::int32_t>(i / num_rows);
-    const auto row   = static_cast<std::int32_t>(i % num_rows);
-    for (std::int32_t k = 0; k < buffer.extent(2); ++k) {
-      const Index v = buffer(layer, row, k);
-      if (v == index_traits<Index>::sentinel) {
-        status->unwritten.report(0, layer, row, k);
-        return;  // one report per (layer, row) keeps the count meaningful: unwritten rows
+    const auto layers = static_cast<std::int32_t>(buffer.extent(0));
+    const auto top_k  = static_cast<std::int32_t>(buffer.extent(2));
+    const auto row    = static_cast<std::int32_t>(i / layers);
+    const auto layer  = static_cast<std::int32_t>(i % layers);
+    if (i == 0) {
+      // capture kernels of this step have finished (stream order); nothing else touches them now
+      status->invalid_id            = capture_status->invalid_id;
+      status->out_of_bounds         = capture_status->out_of_bounds;
+      capture_status->invalid_id    = problem_report{};
+      capture_status->out_of_bounds = problem_report{};
+    }
+    if (row < num_rows) {
+      Index* out       = snapshot + (static_cast<std::int64_t>(row) * layers + layer) * top_k;
+      bool unwritten   = false;
+      for (std::int32_t k = 0; k < top_k; ++k) {
+        const Index v = buffer(layer, row, k);
+        out[k]        = v;
+        if (v == index_traits<Index>::sentinel) {
+          unwritten = true;
+        } else if (!index_traits<Index>::is_valid(static_cast<std::int64_t>(v), num_experts)) {
+          status->out_of_range.report(static_cast<std::int64_t>(v), layer, row, k);
+        }
       }
-      if (!index_traits<Index>::is_valid(static_cast<std::int64_t>(v), num_experts)) {
-        status->out_of_range.report(static_cast<std::int64_t>(v), layer, row, k);
-      }
+      // one report per (layer, row) keeps the count meaningful: unwritten rows
+      if (unwritten) { status->unwritten.report(0, layer, row, 0); }
+    }
+    for (std::int32_t k = 0; k < top_k; ++k) { buffer(layer, row, k) = index_traits<Index>::sentinel; }
+  }
+};
+
+/// @brief One row of a device-scatter step: where it goes in mapped pinned host storage and where
+/// it comes from (the step's snapshot row, or an earlier row of the same position).
+template <class Index>
+struct scatter_op {
+  Index* dst;               ///< the row's place in host storage
+  const Index* copy_from;   ///< nullptr: snapshot row `row`; else copy this host row
+  std::int64_t row;         ///< row of the step
+};
+
+/// @brief Device scatter: writes every planned row straight to its place in host storage, or the
+/// sentinel instead when the step's status is not clean (the step is discarded as a whole).
+///
+/// One thread per element; consecutive threads write consecutive elements of a row, so the writes
+/// over the bus coalesce.
+template <class Index>
+struct scatter_rows {
+  const scatter_op<Index>* ops;
+  const Index* snapshot;         // [N, L, K]
+  const step_status* status;
+  std::int64_t row_elems;        // L * K
+
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  {
+    const scatter_op<Index>& op = ops[i / row_elems];
+    const std::int64_t e        = i % row_elems;
+    if (!status->clean()) {
+      op.dst[e] = index_traits<Index>::sentinel;
+    } else if (op.copy_from != nullptr) {
+      op.dst[e] = op.copy_from[e];
+    } else {
+      op.dst[e] = snapshot[op.row * row_elems + e];
     }
   }
 };

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <routing_replay/config.hpp>
+#include <routing_replay/detail/row_claim.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
@@ -91,14 +92,22 @@ class per_request_store {
     r = std::move(grown);
   }
 
-  /// @brief Where the row of (`h`, `position`) should be written, or nullptr when the existing row
-  /// stays (first write wins unless `replace`). Positions were reserved in begin_step.
-  [[nodiscard]] Index* claim(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/, bool replace)
+  /// @brief Where the row of (`h`, `position`) should be written; `dst` null when the existing
+  /// row stays (first write wins unless `replace`). Positions were reserved in begin_step; rows are
+  /// claimed when they arrive, on the host, so the row's contents tell whether it was recorded.
+  [[nodiscard]] row_claim<Index> claim(std::uint32_t h,
+                                       std::int64_t position,
+                                       std::int64_t /*slot*/,
+                                       std::uint32_t /*planned generation*/,
+                                       bool replace)
   {
     Index* row = rows_[h].data() + position * row_elems_;
-    if (!replace && row[0] != index_traits<Index>::sentinel) { return nullptr; }
-    return row;
+    if (!replace && row[0] != index_traits<Index>::sentinel) { return {}; }
+    return {row, nullptr};
   }
+
+  /// @brief Rows do not live in KV blocks: every slot has generation 0.
+  [[nodiscard]] std::uint32_t generation_of(std::int64_t /*slot*/) const noexcept { return 0; }
 
   /// @brief Forgets the row of (`h`, `position`) (a rejected draft).
   void erase(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/)

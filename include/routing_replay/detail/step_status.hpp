@@ -45,7 +45,7 @@ struct step_status {
   problem_report out_of_range;   ///< end-of-step check: a value outside [0, E) written by a view
 
   /// @brief Whether the step may be stored.
-  [[nodiscard]] bool clean() const noexcept
+  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE bool clean() const noexcept
   {
     return invalid_id.count == 0 && out_of_bounds.count == 0 && unwritten.count == 0 &&
            out_of_range.count == 0;
