@@ -23,6 +23,7 @@ cmake --build build/asan -j "$(build_jobs)"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build/asan --output-on-failure -L host
 
+scripts/packaging_check.sh
 echo "== every public entity documented (doxygen)"
 mkdir -p build
 undocumented=$(doxygen docs/Doxyfile 2>&1 | grep -v '/detail/' || true)
