@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds every target (host .cpp with g++, .cu with nvcc) and runs the tests: host tests, the numpy
 # round trip and the GPU tests (Skipped, not Passed, where there is no GPU); then the host tests
-# again under AddressSanitizer + UBSan, the documentation check, and the demo on a small run.
+# again under AddressSanitizer + UBSan and under ThreadSanitizer (the host backend's streams are
+# real threads: every copy strategy's ordering is checked there), the packaging checks, the
+# documentation check, and the demo on a small run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -22,6 +24,13 @@ cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1
 cmake --build build/asan -j "$(build_jobs)"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build/asan --output-on-failure -L host
+
+echo "== host tests under ThreadSanitizer"
+cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" \
+  -DROUTING_REPLAY_SANITIZE_THREAD=ON -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
+  -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
+cmake --build build/tsan -j "$(build_jobs)" --target host_tests
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build/tsan/tests/host_tests
 
 scripts/packaging_check.sh
 echo "== every public entity documented (doxygen)"

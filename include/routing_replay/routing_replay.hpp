@@ -89,6 +89,11 @@ class RoutingReplay {
                                          std::vector<Index>>;
   using store_type  = typename Storage::template store<Index, pool_vector>;
   using ring_type   = detail::copy_ring<Backend, Index>;
+  // Slot-indexed rows are shared between requests through the prefix cache, and whether a row
+  // follows its position to a new slot depends on the blocks as they were when the step was
+  // planned: such stores claim rows when the step begins, and filing only moves data. Per-request
+  // rows depend on nothing but their own request's earlier steps: they are claimed when filed.
+  static constexpr bool claims_when_planned = store_type::slot_indexed;
   using slot_type   = detail::ring_slot<Backend, Index>;
   using step_type   = detail::step_record<Index>;
   using run_type    = detail::step_run;
@@ -201,8 +206,6 @@ class RoutingReplay {
   {
     const std::uint32_t h = requests_.find(id);
     check_cached_prefix(id, cached_slots);
-    // binding keeps positions that hold a row of the request's own: file its steps first
-    if constexpr (store_type::slot_indexed && !device_scatters) { drain_for(h); }
     bind_cached_prefix(h, cached_slots);
   }
 
@@ -354,20 +357,11 @@ class RoutingReplay {
     retire(h);
   }
 
-  /// @brief Drops a request at any time, including rows of the open step and rows still in flight
-  /// (with block-slot storage, rows of steps that already ended still land at their slots, for
-  /// other requests' prefix hits; with device_scatter, so do the open step's).
+  /// @brief Drops a request at any time. Per-request storage drops its rows, including those of
+  /// the open step and those still in flight; block-slot storage keeps the rows of every step that
+  /// began at their slots, for other requests' prefix hits.
   /// @throws error unknown_request
-  void abort(request_key id)
-  {
-    const std::uint32_t h = requests_.find(id);
-    if (in_step_ && requests_[h].open_step == step_serial_) {
-      for (auto& run : open_step_.runs) {
-        if (run.handle == h) { run.dropped = true; }
-      }
-    }
-    retire(h);
-  }
+  void abort(request_key id) { retire(requests_.find(id)); }
   /// @}
 
   // ---------------------------------------------------------------------------------------------
@@ -849,12 +843,14 @@ class RoutingReplay {
         r.drafts.push_back(g);
       }
     }
-    if constexpr (device_scatters) {
-      // the kernel needs every row's place before it runs: claim now, on the host's timeline
-      for (const auto& run : out.runs) {
-        file_run(run, requests_[run.handle], out, [&](detail::row_claim<Index> c, std::int64_t row) {
+    if constexpr (claims_when_planned) {
+      for (auto& run : out.runs) {
+        auto& r             = requests_[run.handle];
+        run.recorded_before = r.recorded_rows;
+        file_run(run, r, out, [&](detail::row_claim<Index> c, std::int64_t row) {
           out.ops.push_back(detail::scatter_op<Index>{c.dst, c.copy_from, row});
         });
+        run.recorded_after = r.recorded_rows;
       }
     }
   }
@@ -956,11 +952,22 @@ class RoutingReplay {
     }
   }
 
-  // A step whose rows will never be filed.
+  // A step whose rows will never be filed. Rows claimed when the step began (a device scatter's
+  // kernel wrote the sentinel in their places) are unclaimed and the rows counted are undone, so a
+  // recompute of those positions records them again.
   void discard(const step_type& step)
   {
     close_out(step);
     drop_drafts_of(step);
+    if constexpr (claims_when_planned) {
+      for (const auto& op : step.ops) { store_.unclaim_row(op.dst); }
+      for (const auto& run : step.runs) {
+        auto& r = requests_[run.handle];
+        if (r.generation == run.generation && r.recorded_rows == run.recorded_after) {
+          r.recorded_rows = run.recorded_before;
+        }
+      }
+    }
   }
 
   // The step's rows and verdict have arrived; the verdict decides whether it is stored at all.
@@ -981,26 +988,14 @@ class RoutingReplay {
       auto place           = [&](detail::row_claim<Index> c, std::int64_t row) {
         std::memcpy(c.dst, c.copy_from != nullptr ? c.copy_from : staging + row * row_elems_, row_bytes);
       };
-      for (const auto& run : step.runs) {
-        auto& r = requests_[run.handle];
-        if (r.generation == run.generation) {
-          file_run(run, r, step, place);
-        } else if constexpr (store_type::slot_indexed) {
-          if (!run.dropped) { file_orphan_run(run, step, place); }
+      if constexpr (claims_when_planned) {
+        for (const auto& op : step.ops) { place({op.dst, op.copy_from}, op.row); }
+      } else {
+        for (const auto& run : step.runs) {
+          auto& r = requests_[run.handle];
+          if (r.generation == run.generation) { file_run(run, r, step, place); }  // else: gone
         }
       }
-    }
-  }
-
-  // Rows of a request released or aborted after its step ended still land at their slots, where
-  // prefix hits of other requests find them (draft rows, never accepted, do not).
-  template <class Place>
-  void file_orphan_run(const run_type& run, const step_type& step, Place&& place)
-  {
-    for (std::int32_t i = 0; i < run.num_tokens - run.num_draft; ++i) {
-      const auto at = static_cast<std::size_t>(run.slots_begin + i);
-      const auto c  = store_.claim_slot(step.slots[at], step.generations[at], config_.overwrite_recomputed_rows);
-      if (c.dst != nullptr) { place(c, run.first_row + i); }
     }
   }
 

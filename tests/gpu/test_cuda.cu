@@ -5,6 +5,8 @@
 #include "../support/concept_checks.hpp"
 #include "../support/error_checks.hpp"
 #include "../support/harness.hpp"
+#include "../support/pipeline_stress.hpp"
+#include "../support/strategy_lists.hpp"
 
 #include <routing_replay/routing_replay.cuh>
 
@@ -74,7 +76,13 @@ TEST_CASE_TEMPLATE("CUDA: device-detected problems discard the step and lose not
                    rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::sync_copy,
                                      rr::per_request_storage>,
                    rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major, rr::sync_copy,
-                                     rr::block_slot_storage>)
+                                     rr::block_slot_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::async_event,
+                                     rr::block_slot_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::int32_t, rr::token_major,
+                                     rr::double_buffered<2>, rr::per_request_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major,
+                                     rr::device_scatter<2>, rr::block_slot_storage>)
 {
   rr_test::check_device_detected_errors<RR>();
 }
@@ -87,13 +95,33 @@ TEST_CASE_TEMPLATE("CUDA graph: a forward recorded once, replayed with new ids, 
                    rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major, rr::sync_copy,
                                      rr::per_request_storage>,
                    rr::RoutingReplay<rr::cuda_backend, std::int32_t, rr::token_major, rr::sync_copy,
-                                     rr::block_slot_storage>)
+                                     rr::block_slot_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::async_event,
+                                     rr::per_request_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::uint16_t, rr::token_major,
+                                     rr::double_buffered<2>, rr::block_slot_storage>,
+                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major,
+                                     rr::device_scatter<2>, rr::block_slot_storage>)
 {
   for (std::uint64_t seed : {1u, 4u}) {
     CAPTURE(seed);
     run_graph_schedule<RR>(seed);
   }
 }
+
+TEST_CASE_TEMPLATE_DEFINE("CUDA pipeline stress: slow copies, many steps in flight, extraction mid-pipeline",
+                          RR, stress_cuda)
+{
+  rr_test::check_pipeline_stress<RR>(/*copy_delay_us=*/200, /*decode_steps=*/80);
+}
+TEST_CASE_TEMPLATE_APPLY(stress_cuda, rr_test::one_per_strategy<rr::cuda_backend>);
+
+TEST_CASE_TEMPLATE_DEFINE("CUDA: with the copy stream shut, end_step returns and the compute stream runs on",
+                          RR, gate_cuda)
+{
+  rr_test::check_compute_never_waits_for_copies<RR>();
+}
+TEST_CASE_TEMPLATE_APPLY(gate_cuda, rr_test::side_stream_strategies<rr::cuda_backend>);
 
 int main(int argc, char** argv)
 {

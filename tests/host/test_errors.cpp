@@ -21,7 +21,15 @@ using block_slot_replay  = rr::RoutingReplay<rr::host_backend, std::uint8_t, rr:
                                              rr::sync_copy, rr::block_slot_storage>;
 
 TEST_CASE_TEMPLATE("device-detected problems discard the step and lose nothing", RR,
-                   per_request_replay, block_slot_replay)
+                   per_request_replay, block_slot_replay,
+                   rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::async_event,
+                                     rr::per_request_storage>,
+                   rr::RoutingReplay<rr::host_backend, std::int32_t, rr::token_major,
+                                     rr::double_buffered<3>, rr::block_slot_storage>,
+                   rr::RoutingReplay<rr::host_backend, std::uint8_t, rr::token_major,
+                                     rr::device_scatter<2>, rr::block_slot_storage>,
+                   rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major,
+                                     rr::device_scatter<1>, rr::block_slot_storage>)
 {
   rr_test::check_device_detected_errors<RR>();
 }

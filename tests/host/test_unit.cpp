@@ -21,6 +21,13 @@ using per_request_replay = rr::RoutingReplay<rr::host_backend, std::int16_t, rr:
                                              rr::sync_copy, rr::per_request_storage>;
 using block_slot_replay  = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major,
                                              rr::sync_copy, rr::block_slot_storage>;
+// the same scenarios with rows filed a step later, and with rows placed by a "kernel"
+using per_request_deferred = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major,
+                                               rr::double_buffered<2>, rr::per_request_storage>;
+using block_slot_deferred  = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major,
+                                               rr::async_event, rr::block_slot_storage>;
+using block_slot_scattered = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major,
+                                               rr::device_scatter<2>, rr::block_slot_storage>;
 
 namespace {
 
@@ -138,7 +145,8 @@ TEST_CASE("extraction options: offsets, clipping, prompt split, dense layers")
 }
 
 TEST_CASE_TEMPLATE("preemption with recompute: first write wins unless overwrite", RR,
-                   per_request_replay, block_slot_replay)
+                   per_request_replay, block_slot_replay, per_request_deferred,
+                   block_slot_deferred, block_slot_scattered)
 {
   for (const bool overwrite : {false, true}) {
     CAPTURE(overwrite);
@@ -155,7 +163,8 @@ TEST_CASE_TEMPLATE("preemption with recompute: first write wins unless overwrite
 }
 
 TEST_CASE_TEMPLATE("speculative drafts: accepted prefix kept, rejected rows gone", RR, per_request_replay,
-                   block_slot_replay)
+                   block_slot_replay, per_request_deferred,
+                   block_slot_deferred, block_slot_scattered)
 {
   small_replay<RR> s;
   std::vector<std::int64_t> slots;
@@ -177,7 +186,8 @@ TEST_CASE_TEMPLATE("speculative drafts: accepted prefix kept, rejected rows gone
 }
 
 TEST_CASE_TEMPLATE("a tentative draft row yields to a later write of its position", RR, per_request_replay,
-                   block_slot_replay)
+                   block_slot_replay, per_request_deferred,
+                   block_slot_deferred, block_slot_scattered)
 {
   for (const bool overwrite : {false, true}) {  // ownership moves under either preemption policy
     CAPTURE(overwrite);

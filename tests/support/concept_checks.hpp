@@ -21,10 +21,22 @@ static_assert(rr::source_index<std::int64_t> && rr::source_index<std::int32_t> &
 static_assert(rr::buffer_layout<rr::layer_major> && rr::buffer_layout<rr::token_major>);
 static_assert(!rr::buffer_layout<cuda::std::layout_left>);
 
-static_assert(rr::copy_strategy<rr::sync_copy>);
+static_assert(rr::copy_strategy<rr::sync_copy> && rr::copy_strategy<rr::async_event> &&
+              rr::copy_strategy<rr::double_buffered<2>> && rr::copy_strategy<rr::double_buffered<5>> &&
+              rr::copy_strategy<rr::device_scatter<1>> && rr::copy_strategy<rr::device_scatter<3>>);
 static_assert(!rr::copy_strategy<int>);
+// a kernel-side scatter runs after the copy's event, so it needs a side stream
+struct device_scatter_on_compute_stream {
+  static constexpr int ring_depth                   = 2;
+  static constexpr bool uses_side_stream            = false;
+  static constexpr rr::scatter_timing timing        = rr::scatter_timing::deferred;
+  static constexpr rr::scatter_site site            = rr::scatter_site::device;
+};
+static_assert(!rr::copy_strategy<device_scatter_on_compute_stream>);
 
 static_assert(rr::host_storage<rr::per_request_storage> && rr::host_storage<rr::block_slot_storage>);
+// device scatter writes rows in place from a kernel: only storage with fixed row addresses
+static_assert(rr::block_slot_storage::stable_row_addresses && !rr::per_request_storage::stable_row_addresses);
 static_assert(!rr::host_storage<rr::sync_copy>);
 
 static_assert(rr::backend<rr::host_backend>);
@@ -43,6 +55,12 @@ static_assert(std::is_trivially_copyable_v<rr::device_ref<std::uint8_t, rr::toke
 // the owning object is move-only
 using replay = rr::RoutingReplay<rr::host_backend>;
 static_assert(std::is_nothrow_move_constructible_v<replay> && !std::is_copy_constructible_v<replay>);
+using scattering = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>,
+                                     rr::block_slot_storage>;
+static_assert(std::is_nothrow_move_constructible_v<scattering> && !std::is_copy_constructible_v<scattering>);
+// an engine may hand its own copy stream to strategies that copy on a side stream, and only to those
+static_assert(std::is_constructible_v<scattering, rr::replay_config, rr::host_stream_ref>);
+static_assert(!std::is_constructible_v<replay, rr::replay_config, rr::host_stream_ref>);
 
 // the layer view meets FlashInfer's routing_replay_out contract with layer_major + int16
 static_assert(std::is_same_v<replay::layer_view_type::layout_type, cuda::std::layout_right>);

@@ -87,6 +87,7 @@ struct record_past_the_end {
 };
 
 /// @brief Device-detected problems: each discards its step, names the offender, loses nothing.
+/// Deferred strategies report the problem when they file the step: at the drain here.
 template <class RR>
 void check_device_detected_errors()
 {
@@ -104,27 +105,27 @@ void check_device_detected_errors()
     s.forward(3, [](std::int32_t slot, std::int64_t row, std::int32_t k) -> std::int64_t {
       return slot == 1 && row == 2 && k == 1 ? 1000 : 1;
     });
-    expect_error([&] { s.end_step(); }, rr::errc::invalid_expert_id,
+    expect_error([&] { s.end_step_and_drain(); }, rr::errc::invalid_expert_id,
                  {"expert id 1000", "layer 2", "request 5", "position 6", "column 1", "discarded"});
   }
   SUBCASE("a negative id from capture()")
   {
     s.rr().begin_step(plan_for(5, 4, 2, slots), s.stream());
     s.forward(2, [](std::int32_t, std::int64_t row, std::int32_t) -> std::int64_t { return row == 1 ? -3 : 2; });
-    expect_error([&] { s.end_step(); }, rr::errc::invalid_expert_id, {"expert id -3", "position 5"});
+    expect_error([&] { s.end_step_and_drain(); }, rr::errc::invalid_expert_id, {"expert id -3", "position 5"});
   }
   SUBCASE("a layer that was never captured")
   {
     s.rr().begin_step(plan_for(5, 4, 2, slots), s.stream());
     s.forward(2, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 3; }, 0);
-    expect_error([&] { s.end_step(); }, rr::errc::missing_routing,
+    expect_error([&] { s.end_step_and_drain(); }, rr::errc::missing_routing,
                  {"layer 1", "unwritten", "request 5", "position 4", "2 (layer, row)"});
   }
   SUBCASE("fewer rows captured than the step schedules")
   {
     s.rr().begin_step(plan_for(5, 4, 3, slots), s.stream());
     s.forward(2, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 3; });
-    expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"position 6", "unwritten"});
+    expect_error([&] { s.end_step_and_drain(); }, rr::errc::missing_routing, {"position 6", "unwritten"});
   }
   SUBCASE("a value outside [0, E) written through a layer view")
   {
@@ -132,7 +133,7 @@ void check_device_detected_errors()
     s.forward(2, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 3; });
     auto view = s.rr().layer_view(2, 2);
     RR::backend_type::bulk_async(1, write_out_of_range<decltype(view)>{view}, s.stream());
-    expect_error([&] { s.end_step(); }, rr::errc::invalid_expert_id,
+    expect_error([&] { s.end_step_and_drain(); }, rr::errc::invalid_expert_id,
                  {"value 9", "written through a view", "layer 2", "position 5"});
   }
   SUBCASE("a device_ref record outside the buffer")
@@ -141,7 +142,7 @@ void check_device_detected_errors()
     s.forward(2, [](std::int32_t, std::int64_t, std::int32_t) -> std::int64_t { return 3; });
     auto ref = s.rr().ref(2);
     RR::backend_type::bulk_async(1, record_past_the_end<decltype(ref)>{ref}, s.stream());
-    expect_error([&] { s.end_step(); }, rr::errc::invalid_argument,
+    expect_error([&] { s.end_step_and_drain(); }, rr::errc::invalid_argument,
                  {"outside the buffer", "row 2"});
   }
 

@@ -98,6 +98,14 @@ class small_replay {
     backend::synchronize(stream());
   }
 
+  /// @brief end_step(), then files every step in flight (deferred strategies report a step's
+  /// device-detected problems when they file it).
+  void end_step_and_drain()
+  {
+    end_step();
+    rr_.drain();
+  }
+
   /// @brief A request's rows as a flat copy.
   std::vector<index> rows(routing_replay::request_key id)
   {

@@ -237,16 +237,12 @@ class block_slot_store {
     return {row_at(slot), nullptr};
   }
 
-  /// @brief A row of a request that is gone (released or aborted after its step ended): it still
-  /// lands at its slot, where later prefix hits find it, under the same first-write rule.
-  [[nodiscard]] row_claim<Index> claim_slot(std::int64_t slot, std::uint32_t planned, bool replace)
+  /// @brief Undoes the claim of the slot whose row starts at `row` (a device-scatter step that was
+  /// discarded), unless its block has moved on since.
+  void unclaim_row(const Index* row) noexcept
   {
-    if (generation_of(slot) != planned ||
-        (!replace && claimed_in_[static_cast<std::size_t>(slot)] == planned)) {
-      return {};
-    }
-    claimed_in_[static_cast<std::size_t>(slot)] = planned;
-    return {row_at(slot), nullptr};
+    const auto slot = static_cast<std::size_t>((row - base_) / row_elems_);
+    if (claimed_in_[slot] == generation_of(static_cast<std::int64_t>(slot))) { claimed_in_[slot] = 0u; }
   }
 
   /// @brief Forgets the row of (`h`, `position`) (a rejected draft) if it is still current.

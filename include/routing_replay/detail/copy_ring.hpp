@@ -22,7 +22,8 @@ struct step_run {
   std::int32_t num_tokens;      ///< rows
   std::int32_t num_draft;       ///< trailing draft rows
   std::int64_t slots_begin;     ///< index into step_record::slots, -1 without slots
-  bool dropped = false;         ///< aborted while its step was open: no row of it lands anywhere
+  std::int64_t recorded_before = 0;  ///< device scatter: the request's T before the step's claims
+  std::int64_t recorded_after  = 0;  ///< ... and after them (a discard restores T if unchanged)
 };
 
 /// @brief Everything filing needs, copied out of the step_plan when the step begins.

@@ -1,0 +1,15 @@
+// Randomized engine schedules on the host backend, bit-exact against the reference model: every
+// index type x layout x storage with the device_scatter copy strategy (one translation unit per strategy,
+// so that the cores build them at once).
+#include "../support/harness.hpp"
+#include "../support/policy_combinations.hpp"
+
+#include <doctest/doctest.h>
+
+namespace rr = routing_replay;
+
+TEST_CASE_TEMPLATE_DEFINE("randomized schedules match the reference model (device_scatter)", RR, schedules_device_scatter)
+{
+  rr_test::check_randomized_schedules<RR>({1, 2, 3, 4, 8, 12});
+}
+TEST_CASE_TEMPLATE_APPLY(schedules_device_scatter, rr_test::all_combinations<rr::host_backend, rr::device_scatter<2>>);
