@@ -46,9 +46,12 @@ for port in (overlay, registry):
     if not (port / "usage").is_file():
         errors.append(f"{port}: no usage file")
 
-# The registry variant differs only in fetching a tagged release.
-if configure_options(registry) != configure_options(overlay):
-    errors.append("the registry port's configure options differ from the overlay port's")
+# The registry variant differs only in fetching a tagged release: past the marker, the portfiles
+# are the same text, and so are the manifests and usage files.
+def common_part(port):
+    return (port / "portfile.cmake").read_text().partition("\n# ---- the same in the overlay")[2]
+if not common_part(overlay) or common_part(registry) != common_part(overlay):
+    errors.append("the portfiles differ past the '# ---- the same in the overlay' marker")
 for name in ("vcpkg.json", "usage"):
     if (registry / name).read_bytes() != (overlay / name).read_bytes():
         errors.append(f"{registry}/{name} differs from {overlay}/{name}")

@@ -1,8 +1,7 @@
-# Registry port: a tagged release fetched from GitHub. Copy this folder to ports/routing-replay/
-# of a vcpkg registry at release time (docs/install.md, "Publishing to a vcpkg registry") and fill
-# in the two placeholders:
+# Registry port: a tagged release fetched from GitHub. At release time, copy this folder to
+# ports/routing-replay/ of a vcpkg registry (docs/install.md, "Registry port") and fill in:
 #   REPO    the GitHub owner/name that hosts the release tags;
-#   SHA512  the hash of the tag's archive (vcpkg prints it on the first install with SHA512 0).
+#   SHA512  the hash of the tag's archive (with SHA512 0, vcpkg fails and prints it).
 vcpkg_from_github(
     OUT_SOURCE_PATH SOURCE_PATH
     REPO OWNER/routing-replay
@@ -11,9 +10,12 @@ vcpkg_from_github(
     HEAD_REF main
 )
 
-# From here on, the same as the overlay port (ports/routing-replay/portfile.cmake); the options
-# must stay equal to its options (scripts/packaging_check.sh checks it).
+# ---- the same in the overlay and the registry port (scripts/packaging_check.sh checks it) ----
+# Header-only: no debug tree to build.
 set(VCPKG_BUILD_TYPE release)
+
+# Headers and the CMake package only, so no CUDA compiler is needed. tests/packaging/
+# install_package.cmake configures and installs with exactly these options.
 vcpkg_cmake_configure(
     SOURCE_PATH "${SOURCE_PATH}"
     OPTIONS
@@ -24,8 +26,13 @@ vcpkg_cmake_configure(
 )
 vcpkg_cmake_install()
 vcpkg_cmake_config_fixup(PACKAGE_NAME routing_replay CONFIG_PATH share/cmake/routing_replay)
-file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/debug/include")
+file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/debug/include")  # a no-op while release-only
 
 file(INSTALL "${CMAKE_CURRENT_LIST_DIR}/usage" DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}")
-# A release ships a LICENSE.
-vcpkg_install_copyright(FILE_LIST "${SOURCE_PATH}/LICENSE")
+if(EXISTS "${SOURCE_PATH}/LICENSE")
+    vcpkg_install_copyright(FILE_LIST "${SOURCE_PATH}/LICENSE")
+else()
+    # No license chosen yet (docs/install.md); vcpkg still requires a copyright file.
+    file(WRITE "${CURRENT_PACKAGES_DIR}/share/${PORT}/copyright"
+         "routing-replay: no license file in this source tree.\n")
+endif()
