@@ -66,7 +66,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   store.reserve(h, position, true);
   store.refresh_blocks(slots);
   { cstore.generation_of(position) } -> std::same_as<std::uint32_t>;
-  { store.claim(h, position, position, std::uint32_t{0}, true) } -> std::same_as<detail::row_claim<std::int16_t>>;
+  { store.claim(h, position, position, std::uint32_t{0}, std::uint64_t{0}, true) } -> std::same_as<detail::row_claim<std::int16_t>>;
   store.erase(h, position, position);
   { cstore.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
   { cstore.read(h, position, row) } -> std::same_as<bool>;

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -133,8 +134,17 @@ class RoutingReplay {
   /// so does the stream copies run on.
   RoutingReplay(RoutingReplay&&) noexcept = default;
   /// @brief Move assignment; first waits for every copy the replaced object has in flight (its
-  /// unfiled steps are lost: drain() it first to keep them).
-  RoutingReplay& operator=(RoutingReplay&&) noexcept = default;
+  /// unfiled steps are lost: drain() it first to keep them), then frees its buffers.
+  RoutingReplay& operator=(RoutingReplay&& other) noexcept
+  {
+    if (this != &other) {
+      // member-wise assignment would free buffers and the pool while copies still write them;
+      // destruction waits for the copies first (the ring is destroyed first)
+      std::destroy_at(this);
+      std::construct_at(this, std::move(other));
+    }
+    return *this;
+  }
   RoutingReplay(const RoutingReplay&)                = delete;
   RoutingReplay& operator=(const RoutingReplay&)     = delete;
   /// @brief Waits for every copy in flight (unfiled steps are dropped), then frees everything.
@@ -219,7 +229,7 @@ class RoutingReplay {
   {
     const std::uint32_t h = requests_.find(id);
     drain_for(h);
-    return requests_[h].recorded_rows;
+    return readable_rows(h);
   }
 
   /// @brief Resolves the oldest pending draft group of a request: the first `num_accepted` drafts
@@ -914,13 +924,25 @@ class RoutingReplay {
     slot_type& slot = ring_.oldest();
     try {
       Backend::synchronize(slot.copied);
+      // the copy waited for the snapshot, so this returns at once; it reports what failed on the
+      // compute stream (the host backend hands a stream's failure to the next event recorded)
+      if constexpr (Copy::uses_side_stream) { Backend::synchronize(slot.snapshot_taken); }
     } catch (...) {
       ring_.pop();
       discard(slot.step);
+      note_filed(slot.step);
       throw;
     }
     ring_.pop();  // filing may throw (a device-reported problem): the step leaves the ring anyway
+    note_filed(slot.step);
     file(slot);
+  }
+
+  // Rows claimed when the step began are readable from now on (filing only moves data and cannot
+  // fail; a discarded step's rows read as missing).
+  void note_filed(const step_type& step) noexcept
+  {
+    if constexpr (claims_when_planned) { store_.set_filed_through(step.serial); }
   }
 
   void retire_oldest_keeping(std::exception_ptr& first_error)
@@ -960,7 +982,12 @@ class RoutingReplay {
     close_out(step);
     drop_drafts_of(step);
     if constexpr (claims_when_planned) {
-      for (const auto& op : step.ops) { store_.unclaim_row(op.dst); }
+      for (const auto& op : step.ops) {
+        // a later step may already be planned to copy this row elsewhere (a position following
+        // it): it must copy the sentinel, never what the slot held before
+        if constexpr (!device_scatters) { std::fill_n(op.dst, row_elems_, traits::sentinel); }
+        store_.unclaim_row(op.dst);
+      }
       for (const auto& run : step.runs) {
         auto& r = requests_[run.handle];
         if (r.generation == run.generation && r.recorded_rows == run.recorded_after) {
@@ -1021,7 +1048,7 @@ class RoutingReplay {
       const bool tentative = draft && group->accepted < 0;
       const bool taken     = take_over_draft(r, position);  // always: ownership must move
       const bool replace   = taken || config_.overwrite_recomputed_rows;
-      const auto c         = store_.claim(run.handle, position, slot, planned, replace);
+      const auto c         = store_.claim(run.handle, position, slot, planned, step.serial, replace);
       if (c.dst != nullptr) {
         place(c, run.first_row + i);
         // a tentative row owns its slot only if it is its own (not an earlier row that followed)
@@ -1140,6 +1167,21 @@ class RoutingReplay {
 
   // -- extraction ---------------------------------------------------------------------------------
 
+  // T without the open step: stores that claim rows when a step begins count them at once, but
+  // they are not readable before the step is filed.
+  [[nodiscard]] std::int64_t readable_rows(std::uint32_t h) const noexcept
+  {
+    const auto& r = requests_[h];
+    if constexpr (claims_when_planned) {
+      if (in_step_ && r.open_step == step_serial_) {
+        for (const auto& run : open_step_.runs) {
+          if (run.handle == h) { return run.recorded_before; }
+        }
+      }
+    }
+    return r.recorded_rows;
+  }
+
   [[nodiscard]] std::int64_t output_row_size(const extract_options& o) const noexcept
   {
     return static_cast<std::int64_t>(o.include_dense_layers ? num_model_layers() : num_layers_) *
@@ -1159,11 +1201,12 @@ class RoutingReplay {
                       "; call accept_draft first"};
       }
     }
-    const std::int64_t end = o.end_position < 0 ? r.recorded_rows : o.end_position;
-    if (o.start_position < 0 || o.start_position > end || end > r.recorded_rows) {
+    const std::int64_t recorded = readable_rows(h);
+    const std::int64_t end      = o.end_position < 0 ? recorded : o.end_position;
+    if (o.start_position < 0 || o.start_position > end || end > recorded) {
       throw error{errc::position_out_of_range,
                   "request " + id.to_string() + ": rows [" + std::to_string(o.start_position) +
-                    ", " + std::to_string(end) + ") requested, " + std::to_string(r.recorded_rows) +
+                    ", " + std::to_string(end) + ") requested, " + std::to_string(recorded) +
                     " recorded"};
     }
     return {o.start_position, end};

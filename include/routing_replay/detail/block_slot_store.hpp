@@ -61,6 +61,7 @@ class block_slot_store {
     base_ = std::to_address(rows_.data());
     generation_.assign(static_cast<std::size_t>(config.num_blocks), 1u);  // 0 means "never"
     claimed_in_.assign(static_cast<std::size_t>(num_slots_), 0u);
+    claimed_by_step_.assign(static_cast<std::size_t>(num_slots_), 0u);
     slot_stamp_.assign(static_cast<std::size_t>(num_slots_), 0u);
   }
 
@@ -180,7 +181,7 @@ class block_slot_store {
     for (const std::int64_t b : blocks) {
       for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, out += row_elems_) {
         const Index* row = row_at(slot);
-        if (claimed_in_[static_cast<std::size_t>(slot)] == generation_of(slot) &&
+        if (claimed_in_[static_cast<std::size_t>(slot)] == generation_of(slot) && landed(slot) &&
             row[0] != index_traits<Index>::sentinel) {
           std::copy_n(row, row_elems_, out);
         } else {
@@ -201,6 +202,7 @@ class block_slot_store {
         std::copy_n(rows, row_elems_, row_at(slot));
         claimed_in_[static_cast<std::size_t>(slot)] =
           rows[0] != index_traits<Index>::sentinel ? generation_of(slot) : 0u;
+        claimed_by_step_[static_cast<std::size_t>(slot)] = 0u;  // already here
       }
     }
   }
@@ -221,10 +223,13 @@ class block_slot_store {
   /// Otherwise, if the position has a row at another slot (recompute after preemption into new
   /// blocks), that first row follows it to its new slot. A block reallocated since the step was
   /// planned makes the row stale: it is dropped.
+  ///
+  /// `step` is the claiming step's serial: the row is readable once that step has been filed.
   [[nodiscard]] row_claim<Index> claim(std::uint32_t h,
                                        std::int64_t position,
                                        std::int64_t slot,
                                        std::uint32_t planned,
+                                       std::uint64_t step,
                                        bool replace)
   {
     slot_ref& at         = positions_[h][static_cast<std::size_t>(position)];
@@ -232,10 +237,15 @@ class block_slot_store {
     at                   = slot_ref{slot, planned};
     if (generation_of(slot) != planned) { return {}; }
     if (!replace && claimed_in_[static_cast<std::size_t>(slot)] == planned) { return {}; }
-    claimed_in_[static_cast<std::size_t>(slot)] = planned;
+    claimed_in_[static_cast<std::size_t>(slot)]      = planned;
+    claimed_by_step_[static_cast<std::size_t>(slot)] = step;
     if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
     return {row_at(slot), nullptr};
   }
+
+  /// @brief Every step up to `serial` has been filed: rows they claimed have arrived. Rows of later
+  /// steps (the open one, or one still in flight) read as missing until then.
+  void set_filed_through(std::uint64_t serial) noexcept { filed_through_ = serial; }
 
   /// @brief Undoes the claim of the slot whose row starts at `row` (a device-scatter step that was
   /// discarded), unless its block has moved on since.
@@ -292,11 +302,16 @@ class block_slot_store {
            claimed_in_[static_cast<std::size_t>(at.slot)] == at.generation;
   }
 
-  /// @brief The row a reference points to if it is claimed and holds routing (rows have arrived:
-  /// readers drain first).
+  [[nodiscard]] bool landed(std::int64_t slot) const noexcept
+  {
+    return claimed_by_step_[static_cast<std::size_t>(slot)] <= filed_through_;
+  }
+
+  /// @brief The row a reference points to if it is claimed, its step has been filed (readers file
+  /// what they depend on first; the open step's rows are not readable yet) and it holds routing.
   [[nodiscard]] const Index* valid_row(const slot_ref& at) const noexcept
   {
-    if (!claimed(at)) { return nullptr; }
+    if (!claimed(at) || !landed(at.slot)) { return nullptr; }
     const Index* row = row_at(at.slot);
     return row[0] == index_traits<Index>::sentinel ? nullptr : row;
   }
@@ -308,7 +323,9 @@ class block_slot_store {
   Rows rows_;
   Index* base_ = nullptr;
   std::vector<std::uint32_t> generation_;
-  std::vector<std::uint32_t> claimed_in_;  // per slot: the generation its row was claimed in
+  std::vector<std::uint32_t> claimed_in_;       // per slot: the generation its row was claimed in
+  std::vector<std::uint64_t> claimed_by_step_;  // per slot: the step that claimed it (0: imported)
+  std::uint64_t filed_through_ = 0;             // every step up to this serial has been filed
   std::vector<std::uint32_t> slot_stamp_;
   std::uint32_t attempt_ = 0;
   std::vector<std::vector<slot_ref>> positions_;

@@ -99,6 +99,7 @@ class per_request_store {
                                        std::int64_t position,
                                        std::int64_t /*slot*/,
                                        std::uint32_t /*planned generation*/,
+                                       std::uint64_t /*step*/,
                                        bool replace)
   {
     Index* row = rows_[h].data() + position * row_elems_;
