@@ -1,110 +1,148 @@
-// Host-backend cost of the library's per-step path and of extraction, per host storage and
-// buffer layout (L = 48, K = 8, E = 128, int16). On the host backend the "device" work (capture,
-// check, copy, reset) runs on a host stream too, so a step here is all of it, end to end.
-#include <routing_replay/routing_replay.hpp>
+// Host-backend cost of the library's per-step path and of extraction (L = 48, K = 8, E = 128),
+// swapping one policy at a time from int16/layer_major/sync/per_request (benchmarks/policies.hpp).
+// On the host backend the "device" work (capture, check, copy, reset) runs on a host stream too.
+//
+//   decode_step/<policy>/batch:B   a whole decode step: begin_step, one pass recording every layer
+//                                  through ref(), end_step (real time per step)
+//   end_step/<policy>/batch:B      end_step() alone, after the forward has finished: the library's
+//                                  post-forward host path (check, copy, scatter), manual time
+//   extract/<storage>/rows:T       extract() of a finished request of T rows
+//   host_memcpy/bytes:N            one host thread's memcpy: the limit of any host-side scatter
+#include "bench_common.hpp"
 
 #include <benchmark/benchmark.h>
 
-#include <cstdint>
-#include <numeric>
+#include <chrono>
+#include <cstring>
+#include <string>
 #include <vector>
-
-namespace rr = routing_replay;
 
 namespace {
 
-constexpr std::int32_t layers  = 48;
-constexpr std::int32_t top_k   = 8;
-constexpr std::int32_t experts = 128;
+using namespace rr_bench;
 
-rr::replay_config bench_config(std::int32_t batch)
+template <class Index, class Layout, class Copy, class Storage>
+using host_replay = rr::RoutingReplay<rr::host_backend, Index, Layout, Copy, Storage>;
+
+/// @brief Enqueues the step's forward: every layer recorded through ref() in one pass.
+template <class Replay>
+void record_forward(Replay& replay, std::int32_t rows, rr::host_stream_ref stream)
 {
-  rr::replay_config c;
-  c.num_experts         = experts;
-  c.top_k               = top_k;
-  c.max_tokens_per_step = std::max(batch, 1024);
-  c.max_model_len       = 4096;
-  c.moe_layers.resize(layers);
-  std::iota(c.moe_layers.begin(), c.moe_layers.end(), 0);
-  c.block_size = 16;
-  c.num_blocks = (batch * 2048) / 16;
-  return c;
+  rr::host_backend::bulk_async(std::int64_t{bench_layers} * rows * bench_topk,
+                               record_all_layers<typename Replay::ref_type>{replay.ref(rows), rows}, stream);
 }
 
-/// The router of every layer, as one pass: what a fused in-kernel recorder would write.
-template <class Ref>
-struct record_all_layers {
-  Ref ref;
-  std::int32_t batch;
-  void operator()(std::int64_t i) const
+/// @brief Decode steps of `batch` requests, one token each.
+template <class Index, class Layout, class Copy, class Storage>
+struct decode_workload {
+  explicit decode_workload(std::int32_t batch) : replay{bench_config(batch, batch)}, driver{batch, 1}
   {
-    const auto layer = static_cast<std::int32_t>(i / (batch * top_k));
-    const auto row   = static_cast<std::int32_t>((i / top_k) % batch);
-    const auto k     = static_cast<std::int32_t>(i % top_k);
-    ref.record(layer, row, k, (row * 31 + layer * 131 + k * 17) % experts);
+    driver.add_requests(replay);
   }
+  /// @brief Opens the next step and enqueues its forward.
+  void begin_and_forward()
+  {
+    replay.begin_step(driver.next(), stream.ref());
+    record_forward(replay, driver.rows(), stream.ref());
+  }
+  /// @brief Bytes of rows one step moves.
+  [[nodiscard]] std::int64_t step_bytes() const
+  {
+    return std::int64_t{driver.rows()} * bench_layers * bench_topk * static_cast<std::int64_t>(sizeof(Index));
+  }
+
+  host_replay<Index, Layout, Copy, Storage> replay;
+  rr::host_stream stream;  // after the replay: drained before the buffers its tasks touch go
+  step_driver driver;
 };
 
-template <class Layout, class Storage>
+template <class Index, class Layout, class Copy, class Storage>
 void decode_step(benchmark::State& state)
 {
-  using replay      = rr::RoutingReplay<rr::host_backend, std::int16_t, Layout, rr::sync_copy, Storage>;
-  const auto batch  = static_cast<std::int32_t>(state.range(0));
-  replay rr_{bench_config(batch)};
-  rr::host_stream stream;
-  std::vector<std::int64_t> slots(static_cast<std::size_t>(batch));
-  for (std::int32_t r = 0; r < batch; ++r) { rr_.add_request(r); }
-  std::int64_t position = 0;
-  rr::step_plan plan;
+  decode_workload<Index, Layout, Copy, Storage> w{static_cast<std::int32_t>(state.range(0))};
   for (auto _ : state) {
-    plan.clear();
-    for (std::int32_t r = 0; r < batch; ++r) {
-      slots[static_cast<std::size_t>(r)] = std::int64_t{r} * 2048 + position;
-      plan.schedule({r, position, 1, 0, std::span<const std::int64_t>{&slots[static_cast<std::size_t>(r)], 1}});
-    }
-    rr_.begin_step(plan, stream.ref());
-    rr::host_backend::bulk_async(std::int64_t{layers} * batch * top_k,
-                                 record_all_layers<typename replay::ref_type>{rr_.ref(batch), batch},
-                                 stream.ref());
-    rr_.end_step(stream.ref());
-    if (++position == 2048) { position = 0; }
+    w.begin_and_forward();
+    w.replay.end_step(w.stream.ref());
   }
-  state.SetItemsProcessed(state.iterations() * batch);
-  state.SetBytesProcessed(state.iterations() * batch * layers * top_k * 2);
+  w.replay.drain();
+  state.SetItemsProcessed(state.iterations() * w.driver.rows());
+  state.SetBytesProcessed(state.iterations() * w.step_bytes());
+}
+
+template <class Index, class Layout, class Copy, class Storage>
+void end_step_only(benchmark::State& state)
+{
+  decode_workload<Index, Layout, Copy, Storage> w{static_cast<std::int32_t>(state.range(0))};
+  for (auto _ : state) {
+    w.begin_and_forward();
+    w.stream.synchronize();  // the forward has finished: time the library's own path only
+    const auto t0 = std::chrono::steady_clock::now();
+    w.replay.end_step(w.stream.ref());
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  w.replay.drain();
+  state.SetBytesProcessed(state.iterations() * w.step_bytes());
 }
 
 template <class Storage>
 void extract_request(benchmark::State& state)
 {
-  using replay     = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy, Storage>;
-  const auto rows  = static_cast<std::int32_t>(state.range(0));
-  replay rr_{bench_config(1024)};
+  using replay_type = host_replay<std::int16_t, rr::token_major, rr::sync_copy, Storage>;
+  const auto rows   = static_cast<std::int32_t>(state.range(0));
+  constexpr std::int32_t chunk = 1024;
+  replay_type replay{bench_config(chunk, 1)};
   rr::host_stream stream;
-  rr_.add_request(0);
-  std::vector<std::int64_t> slots(1024);
-  for (std::int32_t first = 0; first < rows; first += 1024) {
-    const std::int32_t n = std::min(1024, rows - first);
-    std::iota(slots.begin(), slots.end(), first);
-    rr::step_plan plan;
-    plan.schedule({0, first, n, 0, std::span<const std::int64_t>{slots.data(), static_cast<std::size_t>(n)}});
-    rr_.begin_step(plan, stream.ref());
-    rr::host_backend::bulk_async(std::int64_t{layers} * n * top_k,
-                                 record_all_layers<typename replay::ref_type>{rr_.ref(n), n}, stream.ref());
-    rr_.end_step(stream.ref());
+  step_driver driver{1, chunk};
+  driver.add_requests(replay);
+  for (std::int32_t first = 0; first < rows; first += chunk) {
+    replay.begin_step(driver.next(), stream.ref());
+    record_forward(replay, chunk, stream.ref());
+    replay.end_step(stream.ref());
   }
+  replay.drain();
+  const rr::extract_options range{.end_position = rows};
   for (auto _ : state) {
-    auto r = rr_.extract(0);
+    auto r = replay.extract(0, range);
     benchmark::DoNotOptimize(r.flat().data());
   }
-  state.SetBytesProcessed(state.iterations() * std::int64_t{rows} * layers * top_k * 2);
+  state.SetBytesProcessed(state.iterations() * std::int64_t{rows} * bench_layers * bench_topk * 2);
+}
+
+void host_memcpy(benchmark::State& state)
+{
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  std::vector<unsigned char> from(bytes, 1), to(bytes, 0);
+  for (auto _ : state) {
+    std::memcpy(to.data(), from.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
 }
 
 }  // namespace
 
-BENCHMARK(decode_step<rr::layer_major, rr::per_request_storage>)->Arg(64)->Arg(256)->Arg(1024)->UseRealTime();
-BENCHMARK(decode_step<rr::token_major, rr::per_request_storage>)->Arg(64)->Arg(256)->Arg(1024)->UseRealTime();
-BENCHMARK(decode_step<rr::layer_major, rr::block_slot_storage>)->Arg(64)->Arg(256)->Arg(1024)->UseRealTime();
-BENCHMARK(decode_step<rr::token_major, rr::block_slot_storage>)->Arg(64)->Arg(256)->Arg(1024)->UseRealTime();
-BENCHMARK(extract_request<rr::per_request_storage>)->Arg(1024)->Arg(4096);
-BENCHMARK(extract_request<rr::block_slot_storage>)->Arg(1024)->Arg(4096);
-BENCHMARK_MAIN();
+int main(int argc, char** argv)
+{
+  for_each_single_swap([](auto i, auto l, auto c, auto s) {
+    using I = typename decltype(i)::type;
+    using L = typename decltype(l)::type;
+    using C = typename decltype(c)::type;
+    using S = typename decltype(s)::type;
+    const std::string policy = policy_name<I, L, C, S>();
+    benchmark::RegisterBenchmark(("decode_step/" + policy).c_str(), decode_step<I, L, C, S>)
+      ->ArgName("batch")->Arg(64)->Arg(256)->Arg(1024)->UseRealTime();
+    benchmark::RegisterBenchmark(("end_step/" + policy).c_str(), end_step_only<I, L, C, S>)
+      ->ArgName("batch")->Arg(64)->Arg(256)->Arg(1024)->UseManualTime();
+  });
+  for_each_type(storage_types{}, [](auto s) {
+    using S = typename decltype(s)::type;
+    benchmark::RegisterBenchmark(("extract/" + std::string{name_of<S>()}).c_str(), extract_request<S>)
+      ->ArgName("rows")->Arg(1088)->Arg(4096);
+  });
+  benchmark::RegisterBenchmark("host_memcpy", host_memcpy)->ArgName("bytes")->Arg(786432)->Arg(6291456);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) { return 1; }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

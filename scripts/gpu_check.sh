@@ -59,10 +59,41 @@ for combo in "int16 layer_major per_request" "int16 layer_major block_slot" "uin
 done
 note "demo on cuda: $demo_ok/$demo_runs policy combinations verified with numpy"
 
-if [ -x build/gpu/benchmarks/host_path_bench ]; then
-  build/gpu/benchmarks/host_path_bench --benchmark_min_time=0.05 \
-    --benchmark_out="$OUT/host_path_bench.json" --benchmark_out_format=json >/dev/null 2>&1 \
-    && note "benchmarks: host_path_bench -> $OUT/host_path_bench.json" || { note "benchmarks: failed"; status=1; }
+# Benchmarks (docs/performance.md): the engine loop on CUDA, DESIGN.md section 5 scenarios, eager
+# and graph, every copy strategy and storage -> $OUT/engine_loop.jsonl; the microbenchmarks
+# (device_bench, host_path_bench), one JSON line per benchmark -> $OUT/microbench.jsonl.
+bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
+  python3 -c 'import json, sys
+d = json.load(sys.stdin)
+print(json.dumps({"program": sys.argv[1], "context": d.get("context", {})}))
+for b in d.get("benchmarks", []): print(json.dumps(dict(program=sys.argv[1], **b)))' "$1"
+}
+if [ -x build/gpu/benchmarks/engine_loop ]; then
+  start=$(date +%s)
+  if err=$(build/gpu/benchmarks/engine_loop --backend cuda --mode both --copy all --storage all \
+             2>&1 >"$OUT/engine_loop.jsonl"); then
+    note "engine_loop: $(wc -l <"$OUT/engine_loop.jsonl") runs in $(( $(date +%s) - start )) s -> $OUT/engine_loop.jsonl"
+  else
+    note "engine_loop: failed: $(printf '%s' "$err" | tail -n 3 | tr '\n' ' ')"; status=1
+  fi
+  mapfile -t lines < <(python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    added = None if r["fwd_gpu_us"] is None else r["fwd_gpu_us"] - r["fwd0_gpu_us"]
+    print("  %s %s %s: host_us %s | fwd_gpu_us - fwd0_gpu_us %s | extract_us %s | correct %s" % (
+        r["policy"], r["scenario"], r["mode"], r["host_us"], added if added is None else round(added, 2),
+        r["extract_us"], r["correct"]))' \
+    "$OUT/engine_loop.jsonl")
+  summary+=("${lines[@]}")
+  : >"$OUT/microbench.jsonl"
+  for program in device_bench host_path_bench; do
+    if build/gpu/benchmarks/$program --benchmark_min_time=0.05 --benchmark_format=json 2>/dev/null |
+         bench_lines "$program" >>"$OUT/microbench.jsonl"; then
+      note "$program: $(grep -c "^{\"program\": \"$program\", \"name\"" "$OUT/microbench.jsonl") benchmarks -> $OUT/microbench.jsonl"
+    else
+      note "$program: failed"; status=1
+    fi
+  done
 fi
 
 echo "==== gpu_check summary"

@@ -39,5 +39,6 @@ undocumented=$(doxygen docs/Doxyfile 2>&1 | grep -v '/detail/' || true)
 if [ -n "$undocumented" ]; then echo "$undocumented"; exit 1; fi
 echo "ok"
 
+build/ci/benchmarks/engine_loop --backend host --mode eager --scenarios decode_B64,prefill_8k --decode-steps 8 --copy all --storage all | python3 -c 'import json, sys; r = [json.loads(l) for l in sys.stdin]; ok = bool(r) and all(x["correct"] for x in r); print("== engine loop benchmark (host backend):", len(r), "runs,", "all correct" if ok else "NOT ALL CORRECT"); sys.exit(0 if ok else 1)'
 echo "== demo (small run, default backend)"
 build/ci/examples/engine_loop --out build/ci/demo_out --requests 3 --max-tokens 256 | tail -n 2

@@ -1,0 +1,8 @@
+/// @file
+/// engine_loop on the host backend, token_major half (g++; the other layout builds in parallel).
+#include "engine_loop.hpp"
+
+int rr_bench::run_host_token_major(const loop_options& o)
+{
+  return run_layout<host_platform, rr::token_major>(o);
+}
