@@ -8,34 +8,43 @@
 #include <cstdint>
 #include <tuple>
 
+namespace rr_test::strategies {
+
+namespace rr = routing_replay;
+
+template <class B>
+using sync_int16 = rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::sync_copy, rr::per_request_storage>;
+template <class B>
+using async_event_uint8 =
+  rr::RoutingReplay<B, std::uint8_t, rr::token_major, rr::async_event, rr::per_request_storage>;
+template <class B>
+using double_buffered_int16 =
+  rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::double_buffered<2>, rr::block_slot_storage>;
+template <class B>
+using double_buffered4_int32 =
+  rr::RoutingReplay<B, std::int32_t, rr::token_major, rr::double_buffered<4>, rr::per_request_storage>;
+template <class B>
+using device_scatter_uint16 =
+  rr::RoutingReplay<B, std::uint16_t, rr::token_major, rr::device_scatter<2>, rr::block_slot_storage>;
+template <class B>
+using device_scatter3_int16 =
+  rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::device_scatter<3>, rr::block_slot_storage>;
+
+}  // namespace rr_test::strategies
+
 namespace rr_test {
 
 /// @brief Every copy strategy, each with a different index type, layout and storage.
-template <class Backend>
-using one_per_strategy = std::tuple<
-  routing_replay::RoutingReplay<Backend, std::int16_t, routing_replay::layer_major, routing_replay::sync_copy,
-                                routing_replay::per_request_storage>,
-  routing_replay::RoutingReplay<Backend, std::uint8_t, routing_replay::token_major, routing_replay::async_event,
-                                routing_replay::per_request_storage>,
-  routing_replay::RoutingReplay<Backend, std::int16_t, routing_replay::layer_major,
-                                routing_replay::double_buffered<2>, routing_replay::block_slot_storage>,
-  routing_replay::RoutingReplay<Backend, std::int32_t, routing_replay::token_major,
-                                routing_replay::double_buffered<4>, routing_replay::per_request_storage>,
-  routing_replay::RoutingReplay<Backend, std::uint16_t, routing_replay::token_major,
-                                routing_replay::device_scatter<2>, routing_replay::block_slot_storage>,
-  routing_replay::RoutingReplay<Backend, std::int16_t, routing_replay::layer_major,
-                                routing_replay::device_scatter<3>, routing_replay::block_slot_storage>>;
+template <class B>
+using one_per_strategy =
+  std::tuple<strategies::sync_int16<B>, strategies::async_event_uint8<B>, strategies::double_buffered_int16<B>,
+             strategies::double_buffered4_int32<B>, strategies::device_scatter_uint16<B>,
+             strategies::device_scatter3_int16<B>>;
 
-/// @brief The strategies that copy on a side stream (all but sync_copy), as above.
-template <class Backend>
-using side_stream_strategies = std::tuple<
-  routing_replay::RoutingReplay<Backend, std::uint8_t, routing_replay::token_major, routing_replay::async_event,
-                                routing_replay::per_request_storage>,
-  routing_replay::RoutingReplay<Backend, std::int16_t, routing_replay::layer_major,
-                                routing_replay::double_buffered<2>, routing_replay::block_slot_storage>,
-  routing_replay::RoutingReplay<Backend, std::int32_t, routing_replay::token_major,
-                                routing_replay::double_buffered<4>, routing_replay::per_request_storage>,
-  routing_replay::RoutingReplay<Backend, std::uint16_t, routing_replay::token_major,
-                                routing_replay::device_scatter<2>, routing_replay::block_slot_storage>>;
+/// @brief The strategies that copy on a side stream (all but sync_copy).
+template <class B>
+using side_stream_strategies =
+  std::tuple<strategies::async_event_uint8<B>, strategies::double_buffered_int16<B>,
+             strategies::double_buffered4_int32<B>, strategies::device_scatter_uint16<B>>;
 
 }  // namespace rr_test
