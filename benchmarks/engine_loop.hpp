@@ -340,6 +340,8 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
       for (const auto& step : s.steps) {
         const std::int64_t bucket = graph_bucket(step.rows, o.max_tokens);
         if (!step.measured || graphs.contains(bucket)) { continue; }
+        forward(bucket, false);  // loads the forward's kernels before any capture begins
+        backend::synchronize(compute);
         auto& g   = graphs[bucket];
         g.without = std::make_unique<typename Platform::graph>(compute, [&] { forward(bucket, false); });
         g.with    = std::make_unique<typename Platform::graph>(compute, [&] { forward(bucket, true); });
