@@ -35,7 +35,7 @@ note "gpu_tests: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/gpu_tests.
 if command -v compute-sanitizer >/dev/null 2>&1; then
   # memcheck over the CUDA-graph and device-error tests (every kernel of the library runs there)
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 build/gpu/tests/gpu_tests \
-    -tc='*graph*,*device-detected*' >"$OUT/sanitizer.log" 2>&1; rc=$?
+    -tc='*graph*,*device-detected*,*stress*' >"$OUT/sanitizer.log" 2>&1; rc=$?
   note "compute-sanitizer memcheck (graph + device-error tests): exit $rc | $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n1)"
   [ $rc -eq 0 ] || status=1
 fi
