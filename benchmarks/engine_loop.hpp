@@ -200,6 +200,10 @@ struct loop_result {
   std::string scenario;
   std::string mode;
   std::optional<double> host_us, fwd_gpu_us, fwd0_gpu_us, step_us, step0_us, extract_us;
+  /// @brief Beyond the issue's fields: device-event time of what end_step() enqueues on the
+  /// compute stream (the end-of-step kernel; with sync_copy also the copy), the GPU time the copy
+  /// pipeline adds to the compute stream per step on top of fwd_gpu_us - fwd0_gpu_us.
+  std::optional<double> eos_gpu_us;
   bool correct = false;
 };
 
@@ -212,7 +216,7 @@ inline std::optional<double> median(std::vector<double> v)
   return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
 }
 
-/// @brief One JSON object per line, with exactly the fields of the issue.
+/// @brief One JSON object per line: the fields of the issue, then eos_gpu_us.
 inline void print_json_line(const loop_result& r, const loop_options& o)
 {
   auto number = [](const std::optional<double>& v) {
@@ -224,11 +228,12 @@ inline void print_json_line(const loop_result& r, const loop_options& o)
   std::printf(
     "{\"impl\": \"routing_replay\", \"policy\": \"%s\", \"scenario\": \"%s\", \"mode\": \"%s\", "
     "\"layers\": %d, \"topk\": %d, \"experts\": %d, \"host_us\": %s, \"fwd_gpu_us\": %s, "
-    "\"fwd0_gpu_us\": %s, \"step_us\": %s, \"step0_us\": %s, \"extract_us\": %s, \"correct\": %s}\n",
+    "\"fwd0_gpu_us\": %s, \"step_us\": %s, \"step0_us\": %s, \"extract_us\": %s, \"correct\": %s, "
+    "\"eos_gpu_us\": %s}\n",
     r.policy.c_str(), r.scenario.c_str(), r.mode.c_str(), o.layers, o.topk, o.experts,
     number(r.host_us).c_str(), number(r.fwd_gpu_us).c_str(), number(r.fwd0_gpu_us).c_str(),
     number(r.step_us).c_str(), number(r.step0_us).c_str(), number(r.extract_us).c_str(),
-    r.correct ? "true" : "false");
+    r.correct ? "true" : "false", number(r.eos_gpu_us).c_str());
   std::fflush(stdout);
 }
 
@@ -349,7 +354,8 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     }
   }
 
-  std::vector<double> host_us, fwd_us, fwd0_us, step_us, step0_us;
+  std::vector<double> host_us, fwd_us, fwd0_us, step_us, step0_us, eos_us;
+  typename Platform::timer end_of_step_timer;
   rr::step_plan plan;
   std::vector<std::int64_t> slots;
   std::vector<std::int64_t> fresh;
@@ -416,14 +422,17 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     }
     timer.stop(compute);
     if (o.sync_forward) { backend::synchronize(compute); }
+    end_of_step_timer.start(compute);  // the timer's event records stay outside host_us
     const auto h0 = clock::now();
     replay.end_step(compute);
     const auto h1 = clock::now();
+    end_of_step_timer.stop(compute);
     backend::synchronize(compute);  // stands for the readback of the sampled tokens
     if (step.measured) {
       step_us.push_back(micros(t0, clock::now()));
       host_us.push_back(micros(h0, h1));
       if (auto t = timer.elapsed_us()) { fwd_us.push_back(*t); }
+      if (auto t = end_of_step_timer.elapsed_us()) { eos_us.push_back(*t); }
     }
   }
 
@@ -447,6 +456,7 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
   result.step_us     = median(step_us);
   result.step0_us    = median(step0_us);
   result.extract_us  = median(extract_us);
+  result.eos_gpu_us  = median(eos_us);
   result.correct     = correct;
   return result;
 }

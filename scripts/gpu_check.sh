@@ -80,9 +80,9 @@ if [ -x build/gpu/benchmarks/engine_loop ]; then
 for line in open(sys.argv[1]):
     r = json.loads(line)
     added = None if r["fwd_gpu_us"] is None else r["fwd_gpu_us"] - r["fwd0_gpu_us"]
-    print("  %s %s %s: host_us %s | fwd_gpu_us - fwd0_gpu_us %s | extract_us %s | correct %s" % (
+    print("  %s %s %s: host_us %s | fwd_gpu_us - fwd0_gpu_us %s | eos_gpu_us %s | extract_us %s | correct %s" % (
         r["policy"], r["scenario"], r["mode"], r["host_us"], added if added is None else round(added, 2),
-        r["extract_us"], r["correct"]))' \
+        r.get("eos_gpu_us"), r["extract_us"], r["correct"]))' \
     "$OUT/engine_loop.jsonl")
   summary+=("${lines[@]}")
   : >"$OUT/microbench.jsonl"
