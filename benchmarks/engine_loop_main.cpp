@@ -39,6 +39,8 @@ options (LIST: comma-separated names, or all):
   --index LIST          int16 | uint8 | int32 (default: int16)
   --layout LIST         layer_major | token_major (default: layer_major)
   --copy LIST           copy strategies (default: sync); all sweeps every strategy built in
+                        (device_scatter runs with block_slot storage only: other pairings
+                        are skipped)
   --storage LIST        per_request | block_slot (default: per_request)
   --layers N            L, MoE layers (default: 48)
   --topk N              K (default: 8)
