@@ -10,7 +10,7 @@ import fileinput
 import json
 
 COLUMNS = ["policy", "scenario", "mode", "host_us", "fwd_gpu_us", "fwd0_gpu_us", "added GPU",
-           "step_us", "step0_us", "added step", "extract_us", "correct"]
+           "eos_gpu_us", "step_us", "step0_us", "added step", "extract_us", "correct"]
 
 
 def cell(value) -> str:
@@ -37,7 +37,7 @@ def main() -> None:
         r = json.loads(line)
         r["added GPU"] = difference(r["fwd_gpu_us"], r["fwd0_gpu_us"])
         r["added step"] = difference(r["step_us"], r["step0_us"])
-        print("| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |")
+        print("| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |")
 
 
 if __name__ == "__main__":
