@@ -356,6 +356,7 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
 
   std::vector<double> host_us, fwd_us, fwd0_us, step_us, step0_us, eos_us;
   typename Platform::timer end_of_step_timer;
+  typename Platform::stream_gate gate;
   rr::step_plan plan;
   std::vector<std::int64_t> slots;
   std::vector<std::int64_t> fresh;
@@ -422,11 +423,17 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     }
     timer.stop(compute);
     if (o.sync_forward) { backend::synchronize(compute); }
+    // With a side stream, end_step() never waits for the compute stream: hold the stream shut
+    // while it enqueues, so eos_gpu_us is the end-of-step work alone (sync_copy waits for its own
+    // copy, so its reading also holds the host's enqueue gaps).
+    constexpr bool gated = replay_type::copy_type::uses_side_stream;
+    if constexpr (gated) { gate.close(compute); }
     end_of_step_timer.start(compute);  // the timer's event records stay outside host_us
     const auto h0 = clock::now();
     replay.end_step(compute);
     const auto h1 = clock::now();
     end_of_step_timer.stop(compute);
+    if constexpr (gated) { gate.open(); }
     backend::synchronize(compute);  // stands for the readback of the sampled tokens
     if (step.measured) {
       step_us.push_back(micros(t0, clock::now()));
@@ -516,6 +523,11 @@ struct host_platform {
   static constexpr bool has_device_timing = false;
   static constexpr bool has_graphs        = false;
 
+  /// @brief Nothing to hold shut: there is no device timing.
+  struct stream_gate {
+    void close(rr::host_stream_ref) {}
+    void open() {}
+  };
   /// @brief Device timing does not exist here: every reading is null.
   struct timer {
     void start(rr::host_stream_ref) {}

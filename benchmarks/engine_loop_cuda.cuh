@@ -8,6 +8,9 @@
 
 #include <routing_replay/routing_replay.cuh>
 
+#include <cuda/atomic>
+#include <nv/target>
+
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -65,6 +68,36 @@ struct cuda_platform {
    private:
     cudaEvent_t start_ = nullptr;
     cudaEvent_t stop_  = nullptr;
+  };
+
+  /// @brief Holds a stream shut while the host enqueues work behind it, so that device-event time
+  /// around that work measures the GPU alone, not the gaps while the host was still enqueueing.
+  class stream_gate {
+   public:
+    /// @brief The kernel: spins until the flag in pinned memory is set (public: kernels need it).
+    struct wait_open {
+      int* flag;
+      __host__ __device__ void operator()(std::int64_t) const
+      {
+        cuda::atomic_ref<int, cuda::thread_scope_system> open{*flag};
+        while (open.load(cuda::std::memory_order_acquire) == 0) {
+          NV_IF_TARGET(NV_IS_DEVICE, (__nanosleep(100);))
+        }
+      }
+    };
+
+    stream_gate() : flag_(1, 1) {}
+    /// @brief Enqueues a kernel that waits until open() is called.
+    void close(cuda::stream_ref s)
+    {
+      cuda::atomic_ref<int, cuda::thread_scope_system>{*rr::cuda_backend::data(flag_)}.store(0);
+      rr::cuda_backend::bulk_async(1, wait_open{rr::cuda_backend::data(flag_)}, s);
+    }
+    /// @brief Lets the stream run on.
+    void open() { cuda::atomic_ref<int, cuda::thread_scope_system>{*rr::cuda_backend::data(flag_)}.store(1); }
+
+   private:
+    rr::cuda_backend::pinned_vector<int> flag_;
   };
 
   /// @brief Work recorded once on a stream (thread-local capture mode) and replayed.

@@ -60,7 +60,8 @@ done
 note "demo on cuda: $demo_ok/$demo_runs policy combinations verified with numpy"
 
 # Benchmarks (docs/performance.md): the engine loop on CUDA, DESIGN.md section 5 scenarios, eager
-# and graph, every copy strategy and storage -> $OUT/engine_loop.jsonl; the microbenchmarks
+# and graph, every copy strategy and storage -> $OUT/engine_loop.jsonl (and with --hidden 4096 ->
+# $OUT/engine_loop_hidden.jsonl); the microbenchmarks
 # (device_bench, host_path_bench), one JSON line per benchmark -> $OUT/microbench.jsonl.
 bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
   python3 -c 'import json, sys
@@ -75,6 +76,13 @@ if [ -x build/gpu/benchmarks/engine_loop ]; then
     note "engine_loop: $(wc -l <"$OUT/engine_loop.jsonl") runs in $(( $(date +%s) - start )) s -> $OUT/engine_loop.jsonl"
   else
     note "engine_loop: failed: $(printf '%s' "$err" | tail -n 3 | tr '\n' ' ')"; status=1
+  fi
+  # realistic step lengths: a stand-in bf16 GEMM [n, 4096] x [4096, 4096] per layer, graph mode
+  if build/gpu/benchmarks/engine_loop --backend cuda --mode graph --copy all --storage all --hidden 4096 \
+       --scenarios decode_B256,decode_B1024,prefill_8k >"$OUT/engine_loop_hidden.jsonl" 2>&1; then
+    note "engine_loop --hidden 4096: $(wc -l <"$OUT/engine_loop_hidden.jsonl") runs -> $OUT/engine_loop_hidden.jsonl"
+  else
+    note "engine_loop --hidden 4096: failed"; status=1
   fi
   mapfile -t lines < <(python3 -c 'import json, sys
 for line in open(sys.argv[1]):
