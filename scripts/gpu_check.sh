@@ -79,7 +79,7 @@ if [ -x build/gpu/benchmarks/engine_loop ]; then
   fi
   # realistic step lengths: a stand-in bf16 GEMM [n, 4096] x [4096, 4096] per layer, graph mode
   if build/gpu/benchmarks/engine_loop --backend cuda --mode graph --copy all --storage all --hidden 4096 \
-       --scenarios decode_B256,decode_B1024,prefill_8k >"$OUT/engine_loop_hidden.jsonl" 2>&1; then
+       --scenarios decode_B256,decode_B1024,prefill_8k >"$OUT/engine_loop_hidden.jsonl" 2>>"$OUT/build.log"; then
     note "engine_loop --hidden 4096: $(wc -l <"$OUT/engine_loop_hidden.jsonl") runs -> $OUT/engine_loop_hidden.jsonl"
   else
     note "engine_loop --hidden 4096: failed"; status=1
