@@ -965,21 +965,11 @@ class RoutingReplay {
 
   // -- filing -------------------------------------------------------------------------------------
 
-  // What happens to a step whatever its verdict: its requests are no longer in an open step.
-  void close_out(const step_type& step)
-  {
-    for (const auto& run : step.runs) {
-      auto& r = requests_[run.handle];
-      if (r.generation == run.generation && r.open_step == step.serial) { r.open_step = 0; }
-    }
-  }
-
   // A step whose rows will never be filed. Rows claimed when the step began (a device scatter's
   // kernel wrote the sentinel in their places) are unclaimed and the rows counted are undone, so a
   // recompute of those positions records them again.
   void discard(const step_type& step)
   {
-    close_out(step);
     drop_drafts_of(step);
     if constexpr (claims_when_planned) {
       for (const auto& op : step.ops) {
@@ -1008,7 +998,6 @@ class RoutingReplay {
       discard(step);
       throw error{status_error_code(status), describe(status, step)};
     }
-    close_out(step);
     if constexpr (!device_scatters) {
       const Index* staging = Backend::data(slot.staging);
       const auto row_bytes = static_cast<std::size_t>(row_elems_) * sizeof(Index);

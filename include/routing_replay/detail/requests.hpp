@@ -44,7 +44,9 @@ struct request_state {
   std::int64_t recorded_rows = 0;  ///< T: one past the highest committed position
   std::int64_t prompt_length = -1;
   std::uint64_t planned_attempt = 0;  ///< validation pass that last saw it in a plan
-  std::uint64_t open_step       = 0;  ///< serial of the step that schedules it (0: none open)
+  /// @brief Serial of the last step that scheduled it: the open step schedules it when a step is
+  /// open and this is that step's serial (serials only grow, so it is never reset).
+  std::uint64_t open_step = 0;
   /// @brief The latest step whose rows this request may read: its own steps and, with block-slot
   /// storage, every step planned when it bound cached slots. Extraction files up to it, no further.
   std::uint64_t reads_step = 0;
