@@ -871,17 +871,17 @@ class RoutingReplay {
   // every row any capture path may have written; D is free for the next forward when it ends.
   void enqueue_snapshot(slot_type& slot, stream_ref compute)
   {
-    step_type& step = slot.step;
-    step.reset_rows = rows_to_reset(step);
-    if (step.reset_rows > 0) {
-      Backend::bulk_async(step.reset_rows * num_layers_,
+    const step_type& step        = slot.step;
+    const std::int64_t reset_rows = rows_to_reset(step);
+    if (reset_rows > 0) {
+      Backend::bulk_async(reset_rows * num_layers_,
                           detail::harvest_rows<Index, Layout>{buffer_view(),
                                                               Backend::data(slot.snapshot),
                                                               Backend::data(slot.device_status),
                                                               Backend::data(device_status_),
                                                               config_.num_experts,
                                                               static_cast<std::int32_t>(step.num_rows),
-                                                              static_cast<std::int32_t>(step.reset_rows)},
+                                                              static_cast<std::int32_t>(reset_rows)},
                           compute);
     }
     if constexpr (Copy::uses_side_stream) { Backend::record(slot.snapshot_taken, compute); }

@@ -180,9 +180,7 @@ class block_slot_store {
   {
     for (const std::int64_t b : blocks) {
       for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, out += row_elems_) {
-        const Index* row = row_at(slot);
-        if (claimed_in_[static_cast<std::size_t>(slot)] == generation_of(slot) && landed(slot) &&
-            row[0] != index_traits<Index>::sentinel) {
+        if (const Index* row = valid_row(slot_ref{slot, generation_of(slot)})) {
           std::copy_n(row, row_elems_, out);
         } else {
           std::fill_n(out, row_elems_, index_traits<Index>::sentinel);

@@ -31,7 +31,6 @@ template <class Index>
 struct step_record {
   std::uint64_t serial  = 0;                   ///< step serial
   std::int64_t num_rows = 0;                   ///< N
-  std::int64_t reset_rows = 0;                 ///< rows the end of step resets (>= N)
   std::vector<step_run> runs;                  ///< scheduled requests in batch order
   std::vector<std::int64_t> slots;             ///< KV slots of every run, flat
   std::vector<std::uint32_t> generations;      ///< generation of each slot's block when planned
