@@ -41,6 +41,7 @@ class host_stream {
   /// @brief Enqueues a task.
   void enqueue(std::function<void()> task) { queue_->enqueue(std::move(task)); }
   /// @brief Waits for every task enqueued so far.
+  /// @throws error backend_error if one of those tasks failed
   void synchronize() { queue_->synchronize(); }
   /// @brief A non-owning reference.
   [[nodiscard]] host_stream_ref ref() noexcept { return host_stream_ref{*this}; }
@@ -173,32 +174,12 @@ struct host_backend {
   static void synchronize(const event& e)
   {
     e.flag_->wait(e.flag_->latest());
-    rethrow_as_backend_error(e.flag_->take_failure());
+    detail::throw_if_failed(e.flag_->take_failure());
   }
 
   /// @brief Blocks the calling thread until `stream` has run everything enqueued so far.
   /// @throws error backend_error if one of those tasks failed
-  static void synchronize(stream_ref stream)
-  {
-    try {
-      stream.queue().synchronize();
-    } catch (...) {
-      rethrow_as_backend_error(std::current_exception());
-    }
-  }
-
- private:
-  static void rethrow_as_backend_error(const std::exception_ptr& failure)
-  {
-    if (!failure) { return; }
-    try {
-      std::rethrow_exception(failure);
-    } catch (const std::exception& e) {
-      throw error{errc::backend_error, std::string{"a task on a host stream failed: "} + e.what()};
-    } catch (...) {
-      throw error{errc::backend_error, "a task on a host stream failed"};
-    }
-  }
+  static void synchronize(stream_ref stream) { stream.queue().synchronize(); }
 };
 
 }  // namespace routing_replay

@@ -2,16 +2,31 @@
 /// In-order worker queue and completion flag behind the host backend's streams and events.
 #pragma once
 
+#include <routing_replay/errors.hpp>
+
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 
 namespace routing_replay::detail {
+
+/// @brief A failed task, described on the thread that ran it. Only the message crosses threads:
+/// sharing the exception object would split its lifetime between the worker and the waiting
+/// thread, whose reference counts the standard library keeps out of ThreadSanitizer's sight.
+using task_failure = std::optional<std::string>;
+
+/// @brief Throws error backend_error for a failure, if there is one.
+inline void throw_if_failed(const task_failure& failure)
+{
+  if (failure) { throw error{errc::backend_error, *failure}; }
+}
 
 /// @brief A thread that runs enqueued tasks one at a time, in order: the host analogue of a
 /// CUDA stream. Work really runs asynchronously to the caller, so ordering bugs show up here.
@@ -43,21 +58,22 @@ class host_queue {
     wake_.notify_all();
   }
 
-  /// @brief Blocks until every task enqueued so far has run; rethrows the first task failure.
+  /// @brief Blocks until every task enqueued so far has run.
+  /// @throws error backend_error for the first task failure not yet reported
   void synchronize()
   {
     std::unique_lock lock{mutex_};
     const std::uint64_t target = enqueued_;
     idle_.wait(lock, [&] { return completed_ >= target; });
-    if (failure_) { std::rethrow_exception(std::exchange(failure_, nullptr)); }
+    throw_if_failed(std::exchange(failure_, std::nullopt));
   }
 
   /// @brief Takes the first task failure not yet reported (called from the worker by an event's
   /// completion task, so the failure is reported once, where that event is waited on).
-  std::exception_ptr take_failure()
+  task_failure take_failure()
   {
     std::lock_guard lock{mutex_};
-    return std::exchange(failure_, nullptr);
+    return std::exchange(failure_, std::nullopt);
   }
 
  private:
@@ -70,11 +86,13 @@ class host_queue {
       auto task = std::move(tasks_.front());
       tasks_.pop_front();
       lock.unlock();
-      std::exception_ptr failure;
+      task_failure failure;
       try {
         task();
+      } catch (const std::exception& e) {
+        failure = std::string{"a task on a host stream failed: "} + e.what();
       } catch (...) {
-        failure = std::current_exception();
+        failure = std::string{"a task on a host stream failed"};
       }
       lock.lock();
       if (failure && !failure_) { failure_ = failure; }
@@ -89,7 +107,7 @@ class host_queue {
   std::deque<std::function<void()>> tasks_;
   std::uint64_t enqueued_  = 0;
   std::uint64_t completed_ = 0;
-  std::exception_ptr failure_;
+  task_failure failure_;
   bool stopping_ = false;
   std::thread worker_;  // last: starts after every other member is constructed
 };
@@ -105,7 +123,7 @@ class completion_flag {
     return ++recorded_;
   }
   /// @brief Queue side of a record: reached the ticket, with the queue's first failure so far.
-  void complete(std::uint64_t ticket, std::exception_ptr failure)
+  void complete(std::uint64_t ticket, task_failure failure)
   {
     {
       std::lock_guard lock{mutex_};
@@ -115,10 +133,10 @@ class completion_flag {
     reached_.notify_all();
   }
   /// @brief Takes the failure of work recorded before this flag, if any.
-  std::exception_ptr take_failure()
+  task_failure take_failure()
   {
     std::lock_guard lock{mutex_};
-    return std::exchange(failure_, nullptr);
+    return std::exchange(failure_, std::nullopt);
   }
   /// @brief The ticket of the latest record (0: never recorded).
   std::uint64_t latest()
@@ -144,7 +162,7 @@ class completion_flag {
   std::condition_variable reached_;
   std::uint64_t recorded_  = 0;
   std::uint64_t completed_ = 0;
-  std::exception_ptr failure_;
+  task_failure failure_;
 };
 
 }  // namespace routing_replay::detail
