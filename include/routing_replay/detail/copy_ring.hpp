@@ -3,7 +3,8 @@
 /// the step's status, its events and everything filing needs from its plan.
 #pragma once
 
-#include <routing_replay/detail/kernels.hpp>
+#include <routing_replay/data_path/step_record.hpp>
+#include <routing_replay/detail/scatter_op.hpp>
 #include <routing_replay/detail/step_status.hpp>
 
 #include <cstddef>
@@ -12,32 +13,6 @@
 #include <vector>
 
 namespace routing_replay::detail {
-
-/// @brief One scheduled request of a step, resolved to its handle.
-struct step_run {
-  std::uint32_t handle;         ///< request handle
-  std::uint32_t generation;     ///< handle generation when planned (moved on: the request is gone)
-  std::int64_t first_row;       ///< first row of the step
-  std::int64_t first_position;  ///< position of that row
-  std::int32_t num_tokens;      ///< rows
-  std::int32_t num_draft;       ///< trailing draft rows
-  std::int64_t slots_begin;     ///< index into step_record::slots, -1 without slots
-  std::int64_t recorded_before = 0;  ///< device scatter: the request's T before the step's claims
-  std::int64_t recorded_after  = 0;  ///< ... and after them (a discard restores T if unchanged)
-};
-
-/// @brief Everything filing needs, copied out of the step_plan when the step begins.
-template <class Index>
-struct step_record {
-  std::uint64_t serial  = 0;                   ///< step serial
-  std::int64_t num_rows = 0;                   ///< N
-  std::vector<step_run> runs;                  ///< scheduled requests in batch order
-  std::vector<std::int64_t> slots;             ///< KV slots of every run, flat
-  std::vector<std::uint32_t> generations;      ///< generation of each slot's block when planned
-  std::vector<std::int64_t> fresh_blocks;      ///< blocks declared fresh
-  std::int64_t padded_rows = -1;               ///< rows the forward writes, if declared
-  std::vector<scatter_op<Index>> ops;          ///< device scatter: every row's place, planned
-};
 
 /// @brief One step in flight: the snapshot the end-of-step kernel takes of D, where its rows and
 /// status arrive, and the events that order the copy after the snapshot and the host after the copy.
@@ -63,7 +38,7 @@ struct ring_slot {
   typename Backend::template device_vector<scatter_op<Index>> device_ops;  ///< ... on the device
   typename Backend::event snapshot_taken;  ///< compute stream: D is snapshotted and reset
   typename Backend::event copied;          ///< copy stream: rows and status have arrived
-  step_record<Index> step;                 ///< the step this slot holds
+  routing_replay::step_record<Index> step;                 ///< the step this slot holds
 };
 
 /// @brief A FIFO of `depth` ring slots. Destroying it (or assigning over it) first waits for every

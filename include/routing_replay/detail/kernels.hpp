@@ -5,6 +5,7 @@
 
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/detail/macros.hpp>
+#include <routing_replay/detail/scatter_op.hpp>
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/device_ref.hpp>
 #include <routing_replay/index_type.hpp>
@@ -87,15 +88,6 @@ struct harvest_rows {
     }
     for (std::int32_t k = 0; k < top_k; ++k) { buffer(layer, row, k) = index_traits<Index>::sentinel; }
   }
-};
-
-/// @brief One row of a device-scatter step: where it goes in mapped pinned host storage and where
-/// it comes from (the step's snapshot row, or an earlier row of the same position).
-template <class Index>
-struct scatter_op {
-  Index* dst;               ///< the row's place in host storage
-  const Index* copy_from;   ///< nullptr: snapshot row `row`; else copy this host row
-  std::int64_t row;         ///< row of the step
 };
 
 /// @brief Device scatter: writes every planned row straight to its place in host storage, or the

@@ -1,5 +1,7 @@
 /// @file
-/// Request bookkeeping shared by every storage: id lookup, handles, speculative draft groups.
+/// Data path, part 1: the request registry. Requests that asked for their routing are added here
+/// and get a dense handle; every other part addresses a request by that handle. Requests that did
+/// not opt in are never added and cost nothing.
 #pragma once
 
 #include <routing_replay/errors.hpp>
@@ -12,7 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace routing_replay::detail {
+namespace routing_replay {
 
 /// @brief The most draft tokens one request may carry in one step.
 inline constexpr std::int32_t max_draft_tokens = 32;
@@ -53,7 +55,9 @@ struct request_state {
   std::vector<draft_group> drafts;    ///< FIFO of draft groups not yet fully resolved
 };
 
-/// @brief Id to dense-handle registry. Handles are reused; generations tell uses apart.
+/// @brief Live requests: id → dense handle → request_state. Handles are reused; a handle's
+/// generation moves on when its request goes, so rows still in flight for an earlier use of the
+/// handle are recognised and dropped.
 class request_registry {
  public:
   /// @brief Registers a new id; throws duplicate_request if it is live.
@@ -116,4 +120,4 @@ class request_registry {
   std::vector<std::uint32_t> free_;
 };
 
-}  // namespace routing_replay::detail
+}  // namespace routing_replay
