@@ -16,42 +16,31 @@
 
 #include <routing_replay/backend.hpp>
 #include <routing_replay/buffer_layout.hpp>
-#include <routing_replay/config.hpp>
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/capture_buffer.hpp>
 #include <routing_replay/data_path/copy_pipeline.hpp>
-#include <routing_replay/data_path/request_registry.hpp>
 #include <routing_replay/data_path/row_filer.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
 #include <routing_replay/detail/validate_config.hpp>
-#include <routing_replay/device_ref.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/host_storage.hpp>
-#include <routing_replay/index_type.hpp>
 #include <routing_replay/layer_map.hpp>
 #include <routing_replay/routed_experts.hpp>
 #include <routing_replay/step_plan.hpp>
 
-#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
-#include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace routing_replay {
 
 /// @brief Captures, per token and per MoE layer, the top-k experts a router chose; moves them off
-/// the device; files them per request; hands them back when the request finishes.
-///
-/// Compile-time policies: Backend (cuda_backend in routing_replay.cuh, or host_backend); Index
-/// (expert_index: the stored id type, with a sentinel for missing rows); Layout (layer_major or
-/// token_major order of D); Copy (sync_copy, async_event, double_buffered<Depth>,
-/// device_scatter<Depth>); Storage (per_request_storage or block_slot_storage).
+/// the device; files them per request; hands them back when the request finishes. Policies: see
+/// backend.hpp, index_type.hpp, buffer_layout.hpp, copy_strategy.hpp and host_storage.hpp.
 ///
 /// One engine step: begin_step(plan) → forward with capture()/layer_view()/ref() → end_step().
 /// With a deferred strategy a step's rows are filed at a later end_step(); extraction and the other
@@ -72,10 +61,9 @@ class RoutingReplay {
                 "or a host-scatter strategy (sync_copy, async_event, double_buffered) with "
                 "per_request_storage.");
   // a kernel writes the rows of a device scatter: they live in pinned memory it can reach
-  using pool_vector   = std::conditional_t<device_scatters,
-                                           typename Backend::template pinned_vector<Index>,
+  using rows_vector   = std::conditional_t<device_scatters, typename Backend::template pinned_vector<Index>,
                                            std::vector<Index>>;
-  using store_type    = typename Storage::template store<Index, pool_vector>;
+  using store_type    = typename Storage::template store<Index, rows_vector>;
   using buffer_type   = capture_buffer<Backend, Index, Layout>;
   using planner_type  = step_planner<Index>;
   using pipeline_type = copy_pipeline<Backend, Index, Copy>;
@@ -105,16 +93,13 @@ class RoutingReplay {
   {
   }
 
-  /// @brief Moves the buffers; device references handed out earlier stay valid (same memory), and
-  /// so does the stream copies run on.
+  /// @brief Moves the buffers: device references handed out and the copy stream stay valid.
   RoutingReplay(RoutingReplay&&) noexcept = default;
   /// @brief Move assignment; first waits for every copy the replaced object has in flight (its
   /// unfiled steps are lost: drain() it first to keep them), then frees its buffers.
   RoutingReplay& operator=(RoutingReplay&& other) noexcept
   {
-    if (this != &other) {
-      // member-wise assignment would free buffers and the pool while copies still write them;
-      // destruction waits for the copies first (the pipeline is destroyed first)
+    if (this != &other) {  // member-wise, buffers would go while copies still write them
       std::destroy_at(this);
       std::construct_at(this, std::move(other));
     }
@@ -185,7 +170,7 @@ class RoutingReplay {
   [[nodiscard]] std::int64_t recorded_rows(request_key id)
   {
     const std::uint32_t h = requests_.find(id);
-    drain_for(h);
+    drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
     return filer_.readable_rows(h, requests_, planner_.open_step());
   }
 
@@ -208,11 +193,8 @@ class RoutingReplay {
   /// drain() for a step filed on the way
   [[nodiscard]] result_type extract(request_key id, const extract_options& options = {})
   {
-    const std::uint32_t h   = requests_.find(id);
-    drain_for(h);
-    const auto [begin, end] = filer_.extraction_range(id, h, options, requests_, planner_.open_step());
-    const std::int64_t prompt =
-      options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
+    const auto [h, begin, end] = select_rows(id, options);
+    const std::int64_t prompt  = options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
     return filer_.extract(h, begin, end, prompt, options);
   }
 
@@ -220,25 +202,16 @@ class RoutingReplay {
   /// @throws error as extract(), and invalid_argument if `out` is too small
   std::int64_t extract_into(request_key id, std::span<Index> out, const extract_options& options = {})
   {
-    const std::uint32_t h   = requests_.find(id);
-    drain_for(h);
-    const auto [begin, end] = filer_.extraction_range(id, h, options, requests_, planner_.open_step());
-    const std::int64_t need = (end - begin) * filer_.output_row_elems(options);
-    if (static_cast<std::int64_t>(out.size()) < need) {
-      throw error{errc::invalid_argument, "extract_into: request " + id.to_string() + " needs " +
-                                            std::to_string(need) + " elements, the buffer has " +
-                                            std::to_string(out.size())};
-    }
-    filer_.copy_rows(h, begin, end, options, out.data());
+    const auto [h, begin, end] = select_rows(id, options);
+    filer_.copy_rows_into(id, h, begin, end, options, out);
     return end - begin;
   }
 
-  /// @brief Block-slot storage: copies the rows of whole KV blocks, block after block, into `out`
-  /// ([blocks.size() * block_size, L, K]), so they can follow their KV to another tier or instance
-  /// (prefill/decode disaggregation). Rows never recorded hold the sentinel.
-  /// Files every step in flight first.
-  /// @throws error slot_out_of_range (a block outside the pool), invalid_argument (`out` too small),
-  /// invalid_state (a step is open); as drain()
+  /// @brief Block-slot storage: files every step in flight, then copies the rows of whole KV blocks
+  /// into `out` ([blocks.size() * block_size, L, K]; rows never recorded hold the sentinel), so
+  /// they can follow their KV to another tier or instance (prefill/decode disaggregation).
+  /// @throws error slot_out_of_range, invalid_argument (`out` too small), invalid_state (a step is
+  /// open); as drain()
   void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out)
     requires(store_type::slot_indexed)
   {
@@ -306,38 +279,25 @@ class RoutingReplay {
     planner_.open(plan, requests_, filer_);  // commits: nothing past validate() throws a library error
   }
 
-  /// @brief Closes the step after its forward has been enqueued on `compute`.
-  ///
-  /// One kernel on `compute` checks rows [0, N) (unwritten rows, ids outside [0, E)), snapshots
-  /// them and resets D, so the next forward may start at once; the copy (or, with device_scatter,
-  /// the scatter kernel) reads the snapshot, on `compute` for sync_copy and on the side stream
-  /// otherwise. Then sync_copy waits and files the step; async_event first files the previous step
-  /// (waiting for its copy if needed); double_buffered and device_scatter file, without blocking,
-  /// every earlier step whose copy has completed, and block only when the ring is full.
+  /// @brief Closes the step after its forward has been enqueued on `compute`: one kernel on
+  /// `compute` checks rows [0, N), snapshots them and resets D (the next forward may start at
+  /// once); the copy reads the snapshot; then steps are filed as the copy strategy says
+  /// (copy_pipeline::push: sync_copy waits and files this step, the others file earlier ones).
   /// @throws error invalid_state; invalid_expert_id, missing_routing, invalid_argument when the
   /// device reported a problem in the step filed (this one with sync_copy, an earlier one
   /// otherwise; the message names it, and it is discarded as a whole); backend_error
   void end_step(stream_ref compute)
   {
-    step_record<Index>& step = planner_.close();
-    auto sink                = filing();
-    pipeline_.push(
-      step,
-      [this](const step_record<Index>& closed, Index* snapshot, detail::step_status* status, stream_ref s) {
-        buffer_.end_step(snapshot, status, closed.num_rows, closed.padded_rows, s);
-      },
-      compute,
-      sink);
+    auto sink    = filing();
+    auto harvest = [this](const step_record<Index>& closed, Index* snapshot, detail::step_status* status,
+                          stream_ref s) { buffer_.end_step(snapshot, status, closed.num_rows, closed.padded_rows, s); };
+    pipeline_.push(planner_.close(), harvest, compute, sink);
   }
 
   /// @brief Files every step still in flight, waiting for their copies.
   /// @throws error as end_step() for a device-reported problem in one of them (the steps after it
   /// stay in flight: call drain() again); backend_error
-  void drain()
-  {
-    auto sink = filing();
-    pipeline_.drain(sink);
-  }
+  void drain() { drain_through(~std::uint64_t{0}); }
 
   /// @brief Resets every row capture paths were handed to the sentinel, on `stream`. Needed only
   /// when an engine replays a recorded forward outside any step (a warm-up graph replay); capture
@@ -384,18 +344,7 @@ class RoutingReplay {
 
  private:
   // Where the copy pipeline hands the steps that leave its ring: the filer, over the live requests.
-  struct filing_sink {
-    filer_type& filer;
-    request_registry& requests;
-    void file(typename pipeline_type::slot_type& slot)
-    {
-      filer.file(slot.step, *Backend::data(slot.status), device_scatters ? nullptr : Backend::data(slot.staging),
-                 requests);
-    }
-    void discard(const step_record<Index>& step) { filer.discard(step, requests); }
-    void retired(const step_record<Index>& step) noexcept { filer.retired(step); }
-  };
-  [[nodiscard]] filing_sink filing() noexcept { return filing_sink{filer_, requests_}; }
+  [[nodiscard]] auto filing() noexcept { return filer_.template sink<Backend>(requests_); }
 
   RoutingReplay(replay_config config, std::optional<stream_ref> copy_stream)
     : config_(detail::validated_config<Index>(std::move(config))),
@@ -408,11 +357,21 @@ class RoutingReplay {
   {
   }
 
-  // Files what a request's rows may still be waiting for, and no later step.
-  void drain_for(std::uint32_t h)
+  // Files every step up to serial `last` in flight, and no later one.
+  void drain_through(std::uint64_t last)
   {
     auto sink = filing();
-    pipeline_.drain(sink, requests_[h].reads_step);
+    pipeline_.drain(sink, last);
+  }
+
+  // The rows an extraction returns: the request's handle and positions [begin, end).
+  struct row_selection { std::uint32_t handle; std::int64_t begin, end; };
+  [[nodiscard]] row_selection select_rows(request_key id, const extract_options& options)
+  {
+    const std::uint32_t h   = requests_.find(id);
+    drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
+    const auto [begin, end] = filer_.extraction_range(id, h, options, requests_, planner_.open_step());
+    return {h, begin, end};
   }
 
   void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems) const

@@ -66,6 +66,31 @@ class row_filer {
   /// @brief Ids per row (L * K).
   [[nodiscard]] std::int64_t row_elems() const noexcept { return row_elems_; }
 
+  /// @brief The copy pipeline's step_sink that files its steps here, over the live `requests`.
+  template <class Backend>
+  struct pipeline_sink {
+    row_filer& filer;            ///< where steps are filed
+    request_registry& requests;  ///< the live requests
+    /// @brief A step's rows and status arrived in its ring slot.
+    template <class Slot>
+    void file(Slot& slot)
+    {
+      const Index* staging = Site == scatter_site::host ? Backend::data(slot.staging) : nullptr;
+      filer.file(slot.step, *Backend::data(slot.status), staging, requests);
+    }
+    /// @brief A step's rows never arrive.
+    void discard(const step_record<Index>& step) { filer.discard(step, requests); }
+    /// @brief A step left the ring.
+    void retired(const step_record<Index>& step) noexcept { filer.retired(step); }
+  };
+
+  /// @brief The copy pipeline's sink for steps filed here.
+  template <class Backend>
+  [[nodiscard]] pipeline_sink<Backend> sink(request_registry& requests) noexcept
+  {
+    return {*this, requests};
+  }
+
   // --- requests -----------------------------------------------------------------------------------
 
   /// @brief Checks a prefix-cache hit's slots before anything changes.
@@ -345,6 +370,24 @@ class row_filer {
     copy_rows(h, begin, end, options, copy.data());
     const std::int64_t layers = options.include_dense_layers ? layers_.num_model_layers() : layers_.num_layers();
     return {std::move(copy), end - begin, layers, top_k_, begin, prompt_length};
+  }
+
+  /// @brief As copy_rows(), into a caller buffer checked first.
+  /// @throws error invalid_argument if `out` is too small
+  void copy_rows_into(request_key id,
+                      std::uint32_t h,
+                      std::int64_t begin,
+                      std::int64_t end,
+                      const extract_options& options,
+                      std::span<Index> out) const
+  {
+    const std::int64_t need = (end - begin) * output_row_elems(options);
+    if (static_cast<std::int64_t>(out.size()) < need) {
+      throw error{errc::invalid_argument, "extract_into: request " + id.to_string() + " needs " +
+                                            std::to_string(need) + " elements, the buffer has " +
+                                            std::to_string(out.size())};
+    }
+    copy_rows(h, begin, end, options, out.data());
   }
 
   /// @brief Copies positions [begin, end) of request `h` to `out` (output_row_elems() per row).
