@@ -9,9 +9,9 @@
 /// (constructed from hidden size and max rows; run(rows, stream)).
 #pragma once
 
+#include "../examples/common/synthetic_engine.hpp"
 #include "policies.hpp"
 
-#include <routing_replay/detail/macros.hpp>
 #include <routing_replay/routing_replay.hpp>
 
 #include <algorithm>
@@ -32,10 +32,7 @@ namespace rr_bench {
 
 // ---- options ------------------------------------------------------------------------------------
 
-/// @brief A command-line mistake: reported with a hint, exit status 2.
-struct usage_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using rr_example::usage_error;
 
 /// @brief Everything the command line decides.
 struct loop_options {
@@ -160,37 +157,9 @@ inline scenario make_scenario(std::string_view name, const loop_options& o)
 
 // ---- the synthetic model ------------------------------------------------------------------------
 
-/// @brief id(req, pos, layer, k): what the synthetic router ranks k-th.
-ROUTING_REPLAY_HOST_DEVICE constexpr std::int64_t synthetic_id(std::int64_t request,
-                                                               std::int64_t position,
-                                                               std::int64_t layer,
-                                                               std::int64_t k,
-                                                               std::int64_t experts) noexcept
-{
-  return (request * 7919 + position * 31 + layer * 131 + k * 17) % experts;
-}
-
-/// @brief Whose token one row of the batch is.
-struct token_info {
-  std::int64_t request;
-  std::int64_t position;
-};
-
-/// @brief One MoE layer's router as a bulk kernel body over (row, k): writes int64 top-k ids
-/// [rows, K], as torch.topk returns them.
-struct synthetic_router {
-  const token_info* tokens;
-  std::int64_t* topk_ids;
-  std::int32_t layer;
-  std::int32_t topk;
-  std::int32_t experts;
-
-  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
-  {
-    const token_info t = tokens[i / topk];
-    topk_ids[i]        = synthetic_id(t.request, t.position, layer, i % topk, experts);
-  }
-};
+using rr_example::synthetic_id;
+using rr_example::synthetic_router;
+using rr_example::token_info;
 
 // ---- results ------------------------------------------------------------------------------------
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, one command: configure, build, run the GPU tests (which must
 # really run: "skipped" is a failure here), the host tests, the demo on CUDA for several policy
-# combinations (checked with numpy) and the benchmarks; logs go to $OUT (default build/gpu_check),
-# at most 8 files; a short summary is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
+# combinations (checked with numpy) and the benchmarks; logs and results go to $OUT/gpu_check.tgz
+# (default OUT: build/gpu_check), the summary to $OUT/summary.txt and is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
 # (scripts/stage_deps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
-OUT=${OUT:-build/gpu_check}
-mkdir -p "$OUT"
+RESULTS=${OUT:-build/gpu_check}
+OUT=build/gpu_check_work  # everything is written here, then packed into $RESULTS
+rm -rf "$OUT" && mkdir -p "$OUT" "$RESULTS"
 summary=()
 status=0
 note() { summary+=("$1"); }
@@ -25,7 +26,7 @@ start=$(date +%s)
 if ! cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" >"$OUT/build.log" 2>&1 ||
    ! cmake --build build/gpu -j "$(build_jobs)" >>"$OUT/build.log" 2>&1; then
   tail -n 40 "$OUT/build.log"
-  echo "build failed"; exit 1
+  echo "build failed"; tar czf "$RESULTS/gpu_check.tgz" -C "$OUT" .; exit 1
 fi
 note "build: ok in $(( $(date +%s) - start )) s"
 
@@ -104,7 +105,35 @@ for line in open(sys.argv[1]):
   done
 fi
 
-echo "==== gpu_check summary"
-printf '%s\n' "${summary[@]}"
-echo "==== $( [ $status -eq 0 ] && echo PASS || echo FAIL )"
+# Before/after in one session (scripts/stage_baseline.sh REV staged .baseline/): the baseline's
+# engine-loop benchmark and this tree's, run alternately, twice each, on the scenarios that matter
+# for the host path; benchmarks/compare_runs.py prints medians and spreads -> $OUT/compare.md.
+if [ -d .baseline ] && [ -x build/gpu/benchmarks/engine_loop ]; then
+  base_rev=$(cat .baseline/REVISION 2>/dev/null || echo baseline)
+  if cmake -S .baseline -B build/baseline -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" \
+       -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF >>"$OUT/build.log" 2>&1 &&
+     cmake --build build/baseline -j "$(build_jobs)" --target engine_loop_bench >>"$OUT/build.log" 2>&1; then
+    tag() { python3 -c 'import json, sys
+for line in sys.stdin: r = json.loads(line); r.update(build=sys.argv[1], round=int(sys.argv[2])); print(json.dumps(r))' "$@"; }
+    : >"$OUT/compare.jsonl"
+    compare_args=(--backend cuda --mode graph --copy all --storage all --scenarios decode_B256,decode_B1024,prefill_8k)
+    for round in 1 2; do
+      build/baseline/benchmarks/engine_loop "${compare_args[@]}" 2>/dev/null | tag "before:$base_rev" $round >>"$OUT/compare.jsonl"
+      build/gpu/benchmarks/engine_loop "${compare_args[@]}" 2>/dev/null | tag after $round >>"$OUT/compare.jsonl"
+    done
+    python3 benchmarks/compare_runs.py "$OUT/compare.jsonl" >"$OUT/compare.md"
+    note "before ($base_rev) / after: $(wc -l <"$OUT/compare.jsonl") runs -> $OUT/compare.md"
+    mapfile -t lines <"$OUT/compare.md"
+    summary+=("${lines[@]}")
+  else
+    note "baseline ($base_rev): build failed"; status=1
+  fi
+fi
+
+{
+  echo "==== gpu_check summary"
+  printf '%s\n' "${summary[@]}"
+  echo "==== $( [ $status -eq 0 ] && echo PASS || echo FAIL )"
+} | tee "$RESULTS/summary.txt"
+tar czf "$RESULTS/gpu_check.tgz" -C "$OUT" .
 exit $status

@@ -1,6 +1,8 @@
 // Each part of the data path on its own (host backend), not through RoutingReplay: the request
 // registry, the step planner's acceptance and rejection rules, the capture buffer's end-of-step
 // kernel, the copy pipeline's slot reuse and drain order, and the row filer's claims.
+#include "../support/small_replay.hpp"
+
 #include <routing_replay/data_path/capture_buffer.hpp>
 #include <routing_replay/data_path/copy_pipeline.hpp>
 #include <routing_replay/data_path/request_registry.hpp>
@@ -25,19 +27,9 @@ namespace {
 
 using index_t = std::int16_t;
 
-rr::replay_config parts_config()
-{
-  rr::replay_config c;
-  c.num_experts         = 16;
-  c.top_k               = 2;
-  c.max_tokens_per_step = 8;
-  c.max_model_len       = 64;
-  c.moe_layers          = {0, 2};
-  c.num_model_layers    = 3;
-  c.block_size          = 4;
-  c.num_blocks          = 8;
-  return c;
-}
+// small_config(): model layer 0 is dense, 1 and 2 are MoE; K = 2 plus one fused shared expert;
+// E = 8; N_max = 8; 32 positions; 8 blocks of 4 slots.
+rr::replay_config parts_config() { return rr_test::small_config(); }
 
 using per_request_filer = rr::row_filer<index_t, rr::per_request_storage::store<index_t>, rr::scatter_site::host>;
 using block_slot_filer  = rr::row_filer<index_t, rr::block_slot_storage::store<index_t>, rr::scatter_site::host>;
@@ -118,7 +110,7 @@ TEST_CASE("step_planner: every rejection rule leaves nothing changed; an accepte
   plan.schedule({.id = "r", .first_position = 1, .num_tokens = 1});
   CHECK(rejects(plan) == rr::errc::duplicate_request);
   plan.clear();
-  plan.schedule({.id = "r", .first_position = 63, .num_tokens = 2});
+  plan.schedule({.id = "r", .first_position = 31, .num_tokens = 2});
   CHECK(rejects(plan) == rr::errc::position_out_of_range);
   plan.clear();
   plan.schedule({.id = "r", .first_position = 0, .num_tokens = 2, .num_draft_tokens = 3});
@@ -213,19 +205,20 @@ TEST_CASE("capture_buffer: capture, then the end-of-step kernel checks, snapshot
   const rr::layer_map layers{config};
   rr::capture_buffer<rr::host_backend, index_t, rr::layer_major> buffer{config, layers};
   rr::host_stream stream;
-  // 3 rows of [K + 0] ids per layer; layer 2 leaves row 2 unwritten
-  const std::vector<std::int64_t> ids0{1, 2, 3, 4, 5, 6};
-  const std::vector<std::int64_t> ids2{7, 8, 9, 10};
+  // 3 rows of [K + 1 shared] ids per layer (the shared column is skipped); layer 2 leaves row 2
+  // unwritten
+  const std::vector<std::int64_t> ids1{1, 2, 9, 3, 4, 9, 5, 6, 9};
+  const std::vector<std::int64_t> ids2{7, 0, 9, 1, 2, 9};
   buffer.begin_step(3, stream.ref());
-  buffer.capture(0, ids0.data(), 3, stream.ref());
+  buffer.capture(1, ids1.data(), 3, stream.ref());
   buffer.capture(2, ids2.data(), 2, stream.ref());
-  CHECK(code_of([&] { buffer.capture(1, ids0.data(), 3, stream.ref()); }) == rr::errc::unknown_layer);
+  CHECK(code_of([&] { buffer.capture(0, ids1.data(), 3, stream.ref()); }) == rr::errc::unknown_layer);
   CHECK(code_of([&] { (void)buffer.ref(9); }) == rr::errc::too_many_tokens);
   std::vector<index_t> snapshot(3 * 4, 0);
   rr::detail::step_status status{};
   buffer.end_step(snapshot.data(), &status, 3, -1, stream.ref());
   stream.synchronize();
-  CHECK(snapshot == std::vector<index_t>{1, 2, 7, 8, 3, 4, 9, 10, 5, 6, -1, -1});
+  CHECK(snapshot == std::vector<index_t>{1, 2, 7, 0, 3, 4, 1, 2, 5, 6, -1, -1});
   CHECK(status.unwritten.count == 1);
   CHECK(status.unwritten.layer == 1);
   CHECK(status.unwritten.row == 2);
