@@ -13,6 +13,12 @@ rm -rf "$OUT" && mkdir -p "$OUT" "$RESULTS"
 summary=()
 status=0
 note() { summary+=("$1"); }
+# Which parts run (comma-separated): tests (GPU and host tests, memcheck, demo), bench (engine
+# loop), micro (Google Benchmark programs), compare (before/after against .baseline). A lease's
+# command may last 10 minutes: split the parts over two calls on a warm machine if needed; the
+# build is reused.
+PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 prefix_args=()
 if [ -d .deps/usr ]; then
@@ -30,6 +36,7 @@ if ! cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[
 fi
 note "build: ok in $(( $(date +%s) - start )) s"
 
+if want tests; then
 build/gpu/tests/gpu_tests >"$OUT/gpu_tests.log" 2>&1; rc=$?
 note "gpu_tests: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/gpu_tests.log" | sed 's/\[doctest\] //')"
 [ $rc -eq 0 ] || status=1   # 77 (no GPU) is a failure on this machine
@@ -59,6 +66,7 @@ for combo in "int16 layer_major per_request" "int16 layer_major block_slot" "uin
   fi
 done
 note "demo on cuda: $demo_ok/$demo_runs policy combinations verified with numpy"
+fi
 
 # Benchmarks (docs/performance.md): the engine loop on CUDA, DESIGN.md section 5 scenarios, eager
 # and graph, every copy strategy and storage -> $OUT/engine_loop.jsonl (and with --hidden 4096 ->
@@ -70,7 +78,7 @@ d = json.load(sys.stdin)
 print(json.dumps({"program": sys.argv[1], "context": d.get("context", {})}))
 for b in d.get("benchmarks", []): print(json.dumps(dict(program=sys.argv[1], **b)))' "$1"
 }
-if [ -x build/gpu/benchmarks/engine_loop ]; then
+if want bench && [ -x build/gpu/benchmarks/engine_loop ]; then
   start=$(date +%s)
   if err=$(build/gpu/benchmarks/engine_loop --backend cuda --mode both --copy all --storage all \
              2>&1 >"$OUT/engine_loop.jsonl"); then
@@ -94,6 +102,8 @@ for line in open(sys.argv[1]):
         r.get("eos_gpu_us"), r["extract_us"], r["correct"]))' \
     "$OUT/engine_loop.jsonl")
   summary+=("${lines[@]}")
+fi
+if want micro && [ -x build/gpu/benchmarks/device_bench ]; then
   : >"$OUT/microbench.jsonl"
   for program in device_bench host_path_bench; do
     if build/gpu/benchmarks/$program --benchmark_min_time=0.05 --benchmark_format=json 2>/dev/null |
@@ -108,7 +118,7 @@ fi
 # Before/after in one session (scripts/stage_baseline.sh REV staged .baseline/): the baseline's
 # engine-loop benchmark and this tree's, run alternately, twice each, on the scenarios that matter
 # for the host path; benchmarks/compare_runs.py prints medians and spreads -> $OUT/compare.md.
-if [ -d .baseline ] && [ -x build/gpu/benchmarks/engine_loop ]; then
+if want compare && [ -d .baseline ] && [ -x build/gpu/benchmarks/engine_loop ]; then
   base_rev=$(cat .baseline/REVISION 2>/dev/null || echo baseline)
   if cmake -S .baseline -B build/baseline -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" \
        -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF >>"$OUT/build.log" 2>&1 &&
