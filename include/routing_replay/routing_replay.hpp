@@ -12,6 +12,9 @@
 /// 4. copy_pipeline (copy_pipeline.hpp): the snapshot leaves the device through a ring of slots,
 ///    as the copy strategy says;
 /// 5. row_filer (row_filer.hpp): rows are filed into host storage, drafts resolved, requests read.
+///
+/// Parts 1, 2 and 5 and the request calls form host_side (host_side.hpp), which RoutingReplay
+/// derives from; RoutingReplay adds the device side (parts 3 and 4) and the step calls.
 #pragma once
 
 #include <routing_replay/backend.hpp>
@@ -19,9 +22,7 @@
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/capture_buffer.hpp>
 #include <routing_replay/data_path/copy_pipeline.hpp>
-#include <routing_replay/data_path/row_filer.hpp>
-#include <routing_replay/data_path/step_planner.hpp>
-#include <routing_replay/detail/validate_config.hpp>
+#include <routing_replay/data_path/host_side.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/host_storage.hpp>
@@ -38,6 +39,13 @@
 
 namespace routing_replay {
 
+/// @brief The type of host store a RoutingReplay files into: a kernel writes the rows of a device
+/// scatter, so they live in pinned memory it can reach.
+template <class Backend, class Index, class Copy, class Storage>
+using replay_store_t = typename Storage::template store<
+  Index, std::conditional_t<Copy::site == scatter_site::device, typename Backend::template pinned_vector<Index>,
+                            std::vector<Index>>>;
+
 /// @brief Captures, per token and per MoE layer, the top-k experts a router chose; moves them off
 /// the device; files them per request; hands them back when the request finishes. Policies: see
 /// backend.hpp, index_type.hpp, buffer_layout.hpp, copy_strategy.hpp and host_storage.hpp.
@@ -46,38 +54,34 @@ namespace routing_replay {
 /// With a deferred strategy a step's rows are filed at a later end_step(); extraction and the other
 /// calls that read rows first file whatever is still in flight for them (and no more).
 /// Owning and move-only; not thread-safe (one host thread drives it, as engines do); every
-/// asynchronous operation takes the engine's stream explicitly.
+/// asynchronous operation takes the engine's stream explicitly. The request calls (add_request,
+/// extract, ...) come from host_side (data_path/host_side.hpp).
 template <backend Backend,
           expert_index Index   = std::int16_t,
           buffer_layout Layout = layer_major,
           copy_strategy Copy   = sync_copy,
           host_storage Storage = per_request_storage>
-class RoutingReplay {
-  static constexpr bool device_scatters = Copy::site == scatter_site::device;
-  static_assert(!device_scatters || Storage::stable_row_addresses,
+class RoutingReplay
+  : public host_side<RoutingReplay<Backend, Index, Layout, Copy, Storage>, Index,
+                     replay_store_t<Backend, Index, Copy, Storage>, Copy::site> {
+  static_assert(Copy::site == scatter_site::host || Storage::stable_row_addresses,
                 "device_scatter has a kernel write rows straight into host storage while the host "
                 "plans later steps, so row addresses must never move; per_request_storage grows "
                 "each request's array by reallocation. Use block_slot_storage with device_scatter, "
                 "or a host-scatter strategy (sync_copy, async_event, double_buffered) with "
                 "per_request_storage.");
-  // a kernel writes the rows of a device scatter: they live in pinned memory it can reach
-  using rows_vector   = std::conditional_t<device_scatters, typename Backend::template pinned_vector<Index>,
-                                           std::vector<Index>>;
-  using store_type    = typename Storage::template store<Index, rows_vector>;
-  using buffer_type   = capture_buffer<Backend, Index, Layout>;
-  using planner_type  = step_planner<Index>;
+  using base          = host_side<RoutingReplay, Index, replay_store_t<Backend, Index, Copy, Storage>, Copy::site>;
   using pipeline_type = copy_pipeline<Backend, Index, Copy>;
-  using filer_type    = row_filer<Index, store_type, Copy::site>;
+  friend base;  // calls file_through()
 
  public:
   using backend_type    = Backend;                              ///< the backend policy
-  using index_type      = Index;                                ///< the stored id type
   using layout_type     = Layout;                               ///< the device-buffer layout
   using copy_type       = Copy;                                 ///< the copy strategy
   using storage_type    = Storage;                              ///< the host-storage policy
   using stream_ref      = typename Backend::stream_ref;         ///< stream handle taken by every call
   using ref_type        = device_ref<Index, Layout>;            ///< trivially copyable device reference
-  using result_type     = routed_experts<Index>;                ///< what extract() returns
+  using buffer_type     = capture_buffer<Backend, Index, Layout>;  ///< D and the capture paths
   using layer_view_type = typename buffer_type::layer_view_type;  ///< per-layer [rows, K] view of D
 
   /// @brief Validates the configuration and allocates D, the ring of Copy::ring_depth snapshots
@@ -110,159 +114,14 @@ class RoutingReplay {
   /// @brief Waits for every copy in flight (unfiled steps are dropped), then frees everything.
   ~RoutingReplay() = default;
 
-  /// @name Shape
+  /// @name Device shape
   /// @{
-  /// @brief The configuration, as validated.
-  [[nodiscard]] const replay_config& config() const noexcept { return config_; }
-  /// @brief L: captured MoE layers.
-  [[nodiscard]] std::int32_t num_layers() const noexcept { return buffer_.layers().num_layers(); }
-  /// @brief K.
-  [[nodiscard]] std::int32_t top_k() const noexcept { return config_.top_k; }
-  /// @brief Ids per row (L * K).
-  [[nodiscard]] std::int64_t row_size() const noexcept { return filer_.row_elems(); }
   /// @brief Bytes of the device buffer D: N_max * L * K * sizeof(Index) (capture paths write it).
   [[nodiscard]] std::size_t device_bytes() const noexcept { return buffer_.bytes(); }
   /// @brief Bytes of the device snapshots the copies read: Copy::ring_depth more buffers like D.
   [[nodiscard]] std::size_t snapshot_bytes() const noexcept { return pipeline_.snapshot_bytes(); }
   /// @brief Steps whose rows are still in flight (copied or scattered, not yet filed).
   [[nodiscard]] std::size_t steps_in_flight() const noexcept { return pipeline_.size(); }
-  /// @brief Bytes of host row storage in use.
-  [[nodiscard]] std::size_t host_bytes() const noexcept { return filer_.store().bytes_in_use(); }
-  /// @brief Live requests.
-  [[nodiscard]] std::size_t num_requests() const noexcept { return requests_.size(); }
-  /// @brief The captured index (layer slot) of a model layer.
-  /// @throws error unknown_layer if the layer map does not capture it.
-  [[nodiscard]] std::int32_t layer_slot(std::int32_t model_layer) const { return buffer_.layers().slot(model_layer); }
-  /// @}
-
-  /// @name Requests
-  /// @{
-  /// @brief Registers a request that asked for its routing. Requests that did not ask are never
-  /// added and their tokens are skip()ped in plans: they cost nothing on the host.
-  /// @throws error duplicate_request, slot_out_of_range (cached slots), position_out_of_range
-  void add_request(request_key id, const request_options& options = {})
-  {
-    filer_.check_cached_prefix(id, options.cached_slots);
-    const std::uint32_t h = requests_.add(id);  // throws duplicate_request
-    filer_.store().open(h);
-    requests_[h].prompt_length = options.prompt_length;
-    filer_.bind_cached_prefix(h, options.cached_slots, requests_, planner_.latest_serial());
-  }
-
-  /// @brief A live request (re)starts with positions [0, cached_slots.size()) served from the
-  /// prefix cache, e.g. when it is re-admitted after preemption. Block-slot storage binds those
-  /// positions to the slots unless it already holds a valid row for them (first write wins);
-  /// per-request storage has no rows for cached positions it never computed (they read as missing).
-  /// @throws error unknown_request, slot_out_of_range, position_out_of_range
-  void add_cached_prefix(request_key id, std::span<const std::int64_t> cached_slots)
-  {
-    const std::uint32_t h = requests_.find(id);
-    filer_.check_cached_prefix(id, cached_slots);
-    filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial());
-  }
-
-  /// @brief Whether a request is live.
-  [[nodiscard]] bool contains(request_key id) const { return requests_.contains(id); }
-
-  /// @brief T: one past the highest committed position of a request (files the request's steps
-  /// still in flight first).
-  /// @throws error unknown_request; as drain() for a step filed on the way
-  [[nodiscard]] std::int64_t recorded_rows(request_key id)
-  {
-    const std::uint32_t h = requests_.find(id);
-    drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
-    return filer_.readable_rows(h, requests_, planner_.open_step());
-  }
-
-  /// @brief Resolves the oldest pending draft group of a request: the first `num_accepted` drafts
-  /// are committed, the rest are erased (their positions will be recomputed).
-  /// @throws error unknown_request, draft_error
-  void accept_draft(request_key id, std::int32_t num_accepted)
-  {
-    filer_.accept_draft(id, requests_.find(id), num_accepted, requests_);
-  }
-
-  /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any
-  /// live request may be extracted (rows of an open step are not included).
-  ///
-  /// First files the steps still in flight that the request's rows depend on, and no later ones.
-  /// Per-request storage returns a zero-copy view (valid until the next begin_step or release of
-  /// the request) unless include_dense_layers; block-slot storage gathers a copy. Missing or stale
-  /// rows hold the sentinel.
-  /// @throws error unknown_request, draft_error (unresolved drafts), position_out_of_range; as
-  /// drain() for a step filed on the way
-  [[nodiscard]] result_type extract(request_key id, const extract_options& options = {})
-  {
-    const auto [h, begin, end] = select_rows(id, options);
-    const std::int64_t prompt  = options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
-    return filer_.extract(h, begin, end, prompt, options);
-  }
-
-  /// @brief Copies a request's rows into a caller buffer; returns the number of rows written.
-  /// @throws error as extract(), and invalid_argument if `out` is too small
-  std::int64_t extract_into(request_key id, std::span<Index> out, const extract_options& options = {})
-  {
-    const auto [h, begin, end] = select_rows(id, options);
-    filer_.copy_rows_into(id, h, begin, end, options, out);
-    return end - begin;
-  }
-
-  /// @brief Block-slot storage: files every step in flight, then copies the rows of whole KV blocks
-  /// into `out` ([blocks.size() * block_size, L, K]; rows never recorded hold the sentinel), so
-  /// they can follow their KV to another tier or instance (prefill/decode disaggregation).
-  /// @throws error slot_out_of_range, invalid_argument (`out` too small), invalid_state (a step is
-  /// open); as drain()
-  void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out)
-    requires(store_type::slot_indexed)
-  {
-    check_block_transfer("export_blocks", blocks, out.size());
-    drain();
-    filer_.store().export_blocks(blocks, out.data());
-  }
-
-  /// @brief Block-slot storage: fills whole KV blocks with rows exported by export_blocks()
-  /// (here or on another instance). The blocks become fresh first, so older mappings to them go
-  /// stale; requests reach the imported rows through prefix hits (cached_slots).
-  /// @throws error as export_blocks()
-  void import_blocks(std::span<const std::int64_t> blocks, std::span<const Index> rows)
-    requires(store_type::slot_indexed)
-  {
-    check_block_transfer("import_blocks", blocks, rows.size());
-    drain();  // rows still on their way to these blocks belong to their previous generation
-    filer_.store().import_blocks(blocks, rows.data());
-  }
-
-  /// @brief Block-slot storage: the rows of block `source[i]` move with its KV to block
-  /// `destination[i]` (offload and reload under a new block id). Destinations become fresh.
-  /// @throws error as export_blocks(), and invalid_argument for lists of different lengths or a
-  /// block that is both a source and a destination
-  void copy_blocks(std::span<const std::int64_t> source, std::span<const std::int64_t> destination)
-    requires(store_type::slot_indexed)
-  {
-    filer_.check_block_copy(source, destination);
-    std::vector<Index> rows(source.size() * static_cast<std::size_t>(filer_.store().block_elems()));
-    export_blocks(source, rows);
-    import_blocks(destination, rows);
-  }
-
-  /// @brief Forgets a finished request and frees its rows (block-slot rows stay at their slots
-  /// for later prefix hits).
-  /// @throws error unknown_request, invalid_state if the open step schedules it (use abort)
-  void release(request_key id)
-  {
-    const std::uint32_t h = requests_.find(id);
-    if (planner_.schedules(requests_[h])) {
-      throw error{errc::invalid_state, "request " + id.to_string() +
-                                         " is scheduled in the open step; end the step first, or abort it"};
-    }
-    filer_.close(h, requests_);
-  }
-
-  /// @brief Drops a request at any time. Per-request storage drops its rows, including those of
-  /// the open step and those still in flight; block-slot storage keeps the rows of every step that
-  /// began at their slots, for other requests' prefix hits.
-  /// @throws error unknown_request
-  void abort(request_key id) { filer_.close(requests_.find(id), requests_); }
   /// @}
 
   /// @name Steps
@@ -274,9 +133,9 @@ class RoutingReplay {
   /// position_out_of_range, slot_out_of_range, invalid_plan, host_memory_exhausted
   void begin_step(const step_plan& plan, stream_ref compute)
   {
-    planner_.validate(plan, requests_, filer_);
+    this->planner_.validate(plan, this->requests_, this->filer_);
     buffer_.begin_step(plan.num_rows(), compute);
-    planner_.open(plan, requests_, filer_);  // commits: nothing past validate() throws a library error
+    this->planner_.open(plan, this->requests_, this->filer_);  // commits: nothing past validate() throws a library error
   }
 
   /// @brief Closes the step after its forward has been enqueued on `compute`: one kernel on
@@ -288,23 +147,37 @@ class RoutingReplay {
   /// otherwise; the message names it, and it is discarded as a whole); backend_error
   void end_step(stream_ref compute)
   {
-    auto sink    = filing();
-    auto harvest = [this](const step_record<Index>& closed, Index* snapshot, detail::step_status* status,
-                          stream_ref s) { buffer_.end_step(snapshot, status, closed.num_rows, closed.padded_rows, s); };
-    pipeline_.push(planner_.close(), harvest, compute, sink);
+    end_step(compute, [](buffer_type& d, const step_record<Index>& closed, Index* snapshot,
+                         detail::step_status* status, stream_ref s) {
+      d.end_step(snapshot, status, closed.num_rows, closed.padded_rows, s);
+    });
+  }
+
+  /// @brief end_step() with the end-of-step work enqueued by `harvest(buffer, step, snapshot,
+  /// status, compute)` instead of buffer.end_step() alone: the parallel schemes (parallel/) gather or
+  /// merge other ranks' rows there. When its work on `compute` is done, the step's rows must be in
+  /// `snapshot` ([step.num_rows, L, K]) and its verdict in `status`, and D must be reset.
+  /// @throws error as end_step()
+  template <class Harvest>
+  void end_step(stream_ref compute, Harvest&& harvest)
+  {
+    auto sink  = this->template filing<Backend>();
+    auto enqueue = [&](const step_record<Index>& closed, Index* snapshot, detail::step_status* status,
+                       stream_ref s) { harvest(buffer_, closed, snapshot, status, s); };
+    pipeline_.push(this->planner_.close(), enqueue, compute, sink);
   }
 
   /// @brief Files every step still in flight, waiting for their copies.
   /// @throws error as end_step() for a device-reported problem in one of them (the steps after it
   /// stay in flight: call drain() again); backend_error
-  void drain() { drain_through(~std::uint64_t{0}); }
+  void drain() { file_through(~std::uint64_t{0}); }
 
   /// @brief Resets every row capture paths were handed to the sentinel, on `stream`. Needed only
   /// when an engine replays a recorded forward outside any step (a warm-up graph replay); capture
   /// calls made outside a step are reset automatically at the next begin_step().
   void reset_device_buffer(stream_ref stream)
   {
-    if (planner_.is_open()) {
+    if (this->planner_.is_open()) {
       throw error{errc::invalid_state, "reset_device_buffer inside an open step would erase it"};
     }
     buffer_.reset(stream);
@@ -343,52 +216,25 @@ class RoutingReplay {
   /// @}
 
  private:
-  // Where the copy pipeline hands the steps that leave its ring: the filer, over the live requests.
-  [[nodiscard]] auto filing() noexcept { return filer_.template sink<Backend>(requests_); }
-
   RoutingReplay(replay_config config, std::optional<stream_ref> copy_stream)
-    : config_(detail::validated_config<Index>(std::move(config))),
-      buffer_(config_, layer_map{config_}),
-      filer_(config_, buffer_.layers()),
-      planner_(config_),
-      pipeline_(static_cast<std::size_t>(config_.max_tokens_per_step),
-                static_cast<std::size_t>(filer_.row_elems()),
+    : base(std::move(config)),
+      buffer_(this->config_, layer_map{this->config_}),
+      pipeline_(static_cast<std::size_t>(this->config_.max_tokens_per_step),
+                static_cast<std::size_t>(this->row_size()),
                 copy_stream)
   {
   }
 
   // Files every step up to serial `last` in flight, and no later one.
-  void drain_through(std::uint64_t last)
+  void file_through(std::uint64_t last)
   {
-    auto sink = filing();
+    auto sink = this->template filing<Backend>();
     pipeline_.drain(sink, last);
   }
 
-  // The rows an extraction returns: the request's handle and positions [begin, end).
-  struct row_selection { std::uint32_t handle; std::int64_t begin, end; };
-  [[nodiscard]] row_selection select_rows(request_key id, const extract_options& options)
-  {
-    const std::uint32_t h   = requests_.find(id);
-    drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
-    const auto [begin, end] = filer_.extraction_range(id, h, options, requests_, planner_.open_step());
-    return {h, begin, end};
-  }
-
-  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems) const
-  {
-    if (planner_.is_open()) {
-      throw error{errc::invalid_state, std::string{what} + " while a step is open; end the step first"};
-    }
-    filer_.check_block_transfer(what, blocks, elems);
-  }
-
-  replay_config config_;
-  buffer_type buffer_;          // D and the capture paths
-  request_registry requests_;   // live requests
-  filer_type filer_;            // host storage (with device scatter, what the pipeline writes)
-  planner_type planner_;        // the open step
-  // Last: destroyed first, it waits for every copy in flight while what they write (stagings, the
-  // storage of a device scatter) and the stream they run on still exist.
+  buffer_type buffer_;  // D and the capture paths
+  // Last: destroyed first (and before the host side), it waits for every copy in flight while what
+  // they write (stagings, the storage of a device scatter) and the stream they run on still exist.
   pipeline_type pipeline_;
 };
 
