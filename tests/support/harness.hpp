@@ -36,6 +36,71 @@ struct harness_shape {
 /// @brief The capture path a layer uses in a step.
 enum class capture_path { capture_int64, capture_int32, capture_int16, layer_view, device_ref };
 
+/// @brief The replay_config of a simulated engine and a replay shape.
+inline routing_replay::replay_config make_replay_config(const sim_config& sim, const harness_shape& shape)
+{
+  routing_replay::replay_config c;
+  c.num_experts              = shape.num_experts;
+  c.top_k                    = shape.top_k;
+  c.num_fused_shared_experts = shape.num_fused_shared_experts;
+  c.max_tokens_per_step      = sim.max_tokens_per_step;
+  c.max_model_len            = sim.max_model_len;
+  c.moe_layers               = shape.moe_layers;
+  c.num_model_layers         = shape.num_model_layers;
+  c.block_size               = sim.block_size;
+  c.num_blocks               = sim.num_blocks;
+  c.overwrite_recomputed_rows = shape.overwrite;
+  return c;
+}
+
+/// @brief The row the synthetic router produces for `m`: every captured layer's K ids.
+template <class Index>
+[[nodiscard]] std::vector<Index> routed_row(const row_meta& m, const harness_shape& shape)
+{
+  std::vector<Index> row;
+  for (std::size_t slot = 0; slot < shape.moe_layers.size(); ++slot) {
+    for (std::int32_t k = 0; k < shape.top_k; ++k) {
+      row.push_back(static_cast<Index>(routed_expert(m, static_cast<std::int32_t>(slot), k, shape.num_experts)));
+    }
+  }
+  return row;
+}
+
+/// @brief Extracts `key` from `lib` (a RoutingReplay, or any host side) and checks it bit-exact
+/// against the reference model; `also_copy()` says whether extract_into() is checked too. Returns
+/// the rows compared.
+template <class Lib, class Index, class AlsoCopy>
+std::int64_t compare_extraction(Lib& lib, const reference_model<Index>& model, routing_replay::request_key key,
+                                const routing_replay::extract_options& o, AlsoCopy also_copy)
+{
+  const std::int64_t recorded = model.recorded_rows(key);
+  REQUIRE(lib.recorded_rows(key) == recorded);
+  const std::int64_t end = o.end_position < 0 ? recorded : o.end_position;
+  const auto expected    = model.extract(key, o.start_position, end);
+  const auto got         = lib.extract(key, o);
+  REQUIRE(got.num_rows() == end - o.start_position);
+  REQUIRE(got.first_position() == o.start_position);
+  REQUIRE(got.prompt_length() == model.prompt_length(key));
+  const auto flat = got.flat();
+  REQUIRE(flat.size() == expected.size());
+  const std::int64_t row_size = lib.row_size();
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    if (flat[i] != expected[i]) {
+      std::ostringstream where;
+      where << "request " << key.to_string() << " position "
+            << o.start_position + static_cast<std::int64_t>(i) / row_size << " element "
+            << static_cast<std::int64_t>(i) % row_size << ": got " << +flat[i] << ", expected " << +expected[i];
+      FAIL(where.str());
+    }
+  }
+  if (also_copy()) {  // the copying path agrees with the view
+    std::vector<Index> copy(expected.size());
+    REQUIRE(lib.extract_into(key, copy, o) == end - o.start_position);
+    REQUIRE(copy == expected);
+  }
+  return end - o.start_position;
+}
+
 /// @brief Runs one randomized schedule; throws doctest failures on the first mismatch.
 template <class RR>
 class replay_harness {
@@ -48,7 +113,7 @@ class replay_harness {
   replay_harness(const sim_config& sim, const harness_shape& shape, std::uint64_t seed)
     : sim_cfg_(sim),
       shape_(shape),
-      config_(make_config(sim, shape)),
+      config_(make_replay_config(sim, shape)),
       lib_(config_),
       model_(slot_storage, shape.overwrite, sim.block_size, sim.num_blocks,
              static_cast<std::int64_t>(shape.moe_layers.size()) * shape.top_k),
@@ -121,22 +186,6 @@ class replay_harness {
   [[nodiscard]] std::int64_t rows_checked() const noexcept { return rows_checked_; }
 
  private:
-  static routing_replay::replay_config make_config(const sim_config& sim, const harness_shape& shape)
-  {
-    routing_replay::replay_config c;
-    c.num_experts              = shape.num_experts;
-    c.top_k                    = shape.top_k;
-    c.num_fused_shared_experts = shape.num_fused_shared_experts;
-    c.max_tokens_per_step      = sim.max_tokens_per_step;
-    c.max_model_len            = sim.max_model_len;
-    c.moe_layers               = shape.moe_layers;
-    c.num_model_layers         = shape.num_model_layers;
-    c.block_size               = sim.block_size;
-    c.num_blocks               = sim.num_blocks;
-    c.overwrite_recomputed_rows = shape.overwrite;
-    return c;
-  }
-
   [[nodiscard]] std::size_t scratch_size() const
   {
     return static_cast<std::size_t>(sim_cfg_.max_tokens_per_step) *
@@ -230,47 +279,11 @@ class replay_harness {
     }
   }
 
-  [[nodiscard]] std::vector<index> expected_row(const row_meta& m) const
-  {
-    std::vector<index> row;
-    for (std::size_t slot = 0; slot < shape_.moe_layers.size(); ++slot) {
-      for (std::int32_t k = 0; k < shape_.top_k; ++k) {
-        row.push_back(static_cast<index>(
-          routed_expert(m, static_cast<std::int32_t>(slot), k, shape_.num_experts)));
-      }
-    }
-    return row;
-  }
+  [[nodiscard]] std::vector<index> expected_row(const row_meta& m) const { return routed_row<index>(m, shape_); }
 
   void compare(routing_replay::request_key key, const routing_replay::extract_options& o)
   {
-    const std::int64_t recorded = model_.recorded_rows(key);
-    REQUIRE(lib_.recorded_rows(key) == recorded);
-    const std::int64_t end = o.end_position < 0 ? recorded : o.end_position;
-    const auto expected    = model_.extract(key, o.start_position, end);
-    const auto got         = lib_.extract(key, o);
-    REQUIRE(got.num_rows() == end - o.start_position);
-    REQUIRE(got.first_position() == o.start_position);
-    REQUIRE(got.prompt_length() == model_.prompt_length(key));
-    const auto flat = got.flat();
-    REQUIRE(flat.size() == expected.size());
-    const std::int64_t row_size = lib_.row_size();
-    for (std::size_t i = 0; i < expected.size(); ++i) {
-      if (flat[i] != expected[i]) {
-        std::ostringstream where;
-        where << "request " << key.to_string() << " position "
-              << o.start_position + static_cast<std::int64_t>(i) / row_size << " element "
-              << static_cast<std::int64_t>(i) % row_size << ": got " << +flat[i] << ", expected "
-              << +expected[i];
-        FAIL(where.str());
-      }
-    }
-    if (engine_.chance(0.25)) {  // the copying path agrees with the view
-      std::vector<index> copy(expected.size());
-      REQUIRE(lib_.extract_into(key, copy, o) == end - o.start_position);
-      REQUIRE(copy == expected);
-    }
-    rows_checked_ += end - o.start_position;
+    rows_checked_ += compare_extraction(lib_, model_, key, o, [&] { return engine_.chance(0.25); });
   }
 
   sim_config sim_cfg_;

@@ -79,12 +79,13 @@ struct record_through_ref {
   std::int32_t top_k;
   std::int32_t layer;
   std::int64_t num_experts;
+  std::int32_t slot = -1;  ///< the layer slot recorded into, when it is not `layer` (a pipeline stage's D)
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
   {
     const auto row    = static_cast<std::int32_t>(i / top_k);
     const auto column = static_cast<std::int32_t>(i % top_k);
-    ref.record(layer, row, column, routed_expert(meta[row], layer, column, num_experts));
+    ref.record(slot < 0 ? layer : slot, row, column, routed_expert(meta[row], layer, column, num_experts));
   }
 };
 

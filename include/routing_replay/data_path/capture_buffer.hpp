@@ -13,6 +13,7 @@
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 #include <routing_replay/layer_map.hpp>
+#include <routing_replay/row_span.hpp>
 
 #include <cuda/std/array>
 #include <cuda/std/mdspan>
@@ -38,6 +39,10 @@ struct capture_options {
   const std::int32_t* physical_to_logical = nullptr;
   /// @brief Entries of physical_to_logical.
   std::int64_t num_physical_experts = 0;
+  /// @brief Data parallel inside CUDA graphs: this rank's span of the router output, in device
+  /// memory, read when the kernel runs (added to source_row_offset); num_tokens then bounds the
+  /// rows captured. nullptr: every one of num_tokens rows is captured.
+  const row_span* device_row_span = nullptr;
 };
 
 /// @brief D, `N_max * L * K` ids of `Index` in `Layout` order, the sentinel wherever no capture
@@ -105,15 +110,19 @@ class capture_buffer {
     }
     if (num_tokens == 0) { return; }
     note_rows_written(num_tokens);
-    Backend::bulk_async(num_tokens * top_k_,
-                        detail::capture_layer<Index, Layout, Source>{make_ref(num_tokens),
-                                                                     topk_ids + options.source_row_offset * stride,
-                                                                     stride,
-                                                                     options.physical_to_logical,
-                                                                     options.num_physical_experts,
-                                                                     slot,
-                                                                     top_k_},
-                        stream);
+    const detail::capture_layer<Index, Layout, Source> kernel{make_ref(num_tokens),
+                                                              topk_ids + options.source_row_offset * stride,
+                                                              stride,
+                                                              options.physical_to_logical,
+                                                              options.num_physical_experts,
+                                                              slot,
+                                                              top_k_};
+    if (options.device_row_span != nullptr) {
+      Backend::bulk_async(num_tokens * top_k_,
+                          detail::capture_layer_span<Index, Layout, Source>{kernel, options.device_row_span}, stream);
+    } else {
+      Backend::bulk_async(num_tokens * top_k_, kernel, stream);
+    }
   }
 
   /// @brief (b) The [num_rows, K] slab of D for a model layer, for kernels that write routing
@@ -184,12 +193,15 @@ class capture_buffer {
   /// reported, on `stream`; for a forward replayed outside any step.
   void reset(stream_ref stream) { reset_rows(std::max(rows_outside_steps_, max_rows_), stream); }
 
- private:
+  /// @brief D as an mdspan (layer slot, row, column), for kernels that merge rows captured on other
+  /// ranks into it before the end of the step (pipeline parallel).
   [[nodiscard]] buffer_mdspan<Index, Layout> whole() noexcept
   {
     return buffer_mdspan<Index, Layout>{Backend::data(buffer_), layers_.num_layers(),
                                         static_cast<std::int32_t>(max_rows_), top_k_};
   }
+
+ private:
 
   [[nodiscard]] ref_type make_ref(std::int64_t num_rows) noexcept
   {
