@@ -126,6 +126,7 @@ class rank_driver {
     }
     for (std::int32_t step = 0; step < max_steps && !engine_.done(); ++step) { one_step(host, filing); }
     replay_.drain();
+    if (host != nullptr) { filing.before_read(); }
     for (const std::int32_t number : engine_.abort_all()) {
       if (host != nullptr) { forget(host, number, /*finished=*/false); }
     }
