@@ -127,8 +127,10 @@ struct stage_part {
   std::int32_t first_slot = 0;  ///< the stage's first layer slot in the output rank's D
 };
 
-/// @brief Pipeline parallel, on the output rank after the end-of-step kernel: merges every other
-/// stage's status into the step's, layer slots shifted to D's. One thread.
+/// @brief Pipeline parallel, on the output rank after the end-of-step kernel: merges what every other
+/// stage's capture paths reported (invalid ids, records outside the buffer) into the step's status,
+/// layer slots shifted to D's. One thread. The stages' own checks (unwritten, out of range) are
+/// not merged: the end-of-step kernel just checked the same values in D, and counts them once.
 struct merge_stage_statuses {
   const std::byte* received;
   const stage_part* parts;
@@ -138,7 +140,9 @@ struct merge_stage_statuses {
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t) const noexcept
   {
     for (std::int32_t p = 0; p < num_parts; ++p) {
-      merge_status(*status, *reinterpret_cast<const step_status*>(received + parts[p].offset), parts[p].first_slot, 0);
+      const auto& stage = *reinterpret_cast<const step_status*>(received + parts[p].offset);
+      merge_report(status->invalid_id, stage.invalid_id, parts[p].first_slot, 0);
+      merge_report(status->out_of_bounds, stage.out_of_bounds, parts[p].first_slot, 0);
     }
   }
 };
