@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Builds every target and runs every test, keeping nvcc and g++ work to one build of each
 # translation unit where possible (CI has 2 cores):
-# - the CUDA targets (GPU tests, demo, benchmarks) and the packaging tests, at -O1: CI proves they
+# - the CUDA targets (GPU tests, the 2-GPU test, demo, benchmarks) and the packaging tests, at -O1: CI proves they
 #   build and run; figures come from scripts/gpu_check.sh on a GPU. The GPU tests report Skipped,
 #   not Passed, where there is no GPU;
-# - the host tests (every policy combination, every copy strategy) under ThreadSanitizer: the host
-#   backend's streams are real threads, so the pipeline's ordering is checked there; with them the
-#   numpy round trip and the compile-fail check;
+# - the host tests (every policy combination, every copy strategy) and the parallel tests (ranks as
+#   threads, label parallel) under ThreadSanitizer: the host backend's streams are real threads, so
+#   the pipeline's ordering and the in-process collectives are checked there; with them the numpy
+#   round trip and the compile-fail check;
 # - the scenario, error and pipeline tests again under AddressSanitizer + UBSan;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct) and the demo on a small run.
@@ -18,7 +19,7 @@ pip_install numpy numpy
 
 echo "== build: GPU tests, demo, benchmarks (-O1)"
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O1" >/dev/null
-cmake --build build/ci -j "$(build_jobs)" --target gpu_tests engine_loop engine_loop_bench host_path_bench device_bench
+cmake --build build/ci -j "$(build_jobs)" --target gpu_tests multi_gpu_tests engine_loop engine_loop_bench host_path_bench device_bench
 echo "== GPU and packaging tests"
 ctest --test-dir build/ci --output-on-failure -L "gpu|packaging"
 
@@ -27,8 +28,8 @@ echo "== host tests under ThreadSanitizer"
 cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" \
   -DROUTING_REPLAY_SANITIZE_THREAD=ON -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build/tsan -j "$(build_jobs)" --target host_tests
-TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir build/tsan --output-on-failure -L host
+cmake --build build/tsan -j "$(build_jobs)" --target host_tests parallel_tests
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir build/tsan --output-on-failure -L "host|parallel"
 
 echo "== scenario, error and pipeline tests under AddressSanitizer + UBSan"
 cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" -DROUTING_REPLAY_SANITIZE=ON \

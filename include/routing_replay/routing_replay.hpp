@@ -21,6 +21,7 @@
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/capture_buffer.hpp>
+#include <routing_replay/data_path/capture_paths.hpp>
 #include <routing_replay/data_path/copy_pipeline.hpp>
 #include <routing_replay/data_path/host_side.hpp>
 #include <routing_replay/errors.hpp>
@@ -55,7 +56,8 @@ using replay_store_t = typename Storage::template store<
 /// calls that read rows first file whatever is still in flight for them (and no more).
 /// Owning and move-only; not thread-safe (one host thread drives it, as engines do); every
 /// asynchronous operation takes the engine's stream explicitly. The request calls (add_request,
-/// extract, ...) come from host_side (data_path/host_side.hpp).
+/// extract, ...) come from host_side (data_path/host_side.hpp), the capture paths (capture(),
+/// layer_view(), ref()) from capture_paths (data_path/capture_paths.hpp).
 template <backend Backend,
           expert_index Index   = std::int16_t,
           buffer_layout Layout = layer_major,
@@ -63,7 +65,8 @@ template <backend Backend,
           host_storage Storage = per_request_storage>
 class RoutingReplay
   : public host_side<RoutingReplay<Backend, Index, Layout, Copy, Storage>, Index,
-                     replay_store_t<Backend, Index, Copy, Storage>, Copy::site> {
+                     replay_store_t<Backend, Index, Copy, Storage>, Copy::site>,
+    public capture_paths<RoutingReplay<Backend, Index, Layout, Copy, Storage>, Backend, Index, Layout> {
   static_assert(Copy::site == scatter_site::host || Storage::stable_row_addresses,
                 "device_scatter has a kernel write rows straight into host storage while the host "
                 "plans later steps, so row addresses must never move; per_request_storage grows "
@@ -72,7 +75,8 @@ class RoutingReplay
                 "per_request_storage.");
   using base          = host_side<RoutingReplay, Index, replay_store_t<Backend, Index, Copy, Storage>, Copy::site>;
   using pipeline_type = copy_pipeline<Backend, Index, Copy>;
-  friend base;  // calls file_through()
+  friend base;                                                  // calls file_through()
+  friend capture_paths<RoutingReplay, Backend, Index, Layout>;  // calls capture_target()
 
  public:
   using backend_type    = Backend;                              ///< the backend policy
@@ -80,9 +84,7 @@ class RoutingReplay
   using copy_type       = Copy;                                 ///< the copy strategy
   using storage_type    = Storage;                              ///< the host-storage policy
   using stream_ref      = typename Backend::stream_ref;         ///< stream handle taken by every call
-  using ref_type        = device_ref<Index, Layout>;            ///< trivially copyable device reference
   using buffer_type     = capture_buffer<Backend, Index, Layout>;  ///< D and the capture paths
-  using layer_view_type = typename buffer_type::layer_view_type;  ///< per-layer [rows, K] view of D
 
   /// @brief Validates the configuration and allocates D, the ring of Copy::ring_depth snapshots
   /// and stagings, and (block-slot) the pool. Strategies with a side stream create their own.
@@ -184,37 +186,6 @@ class RoutingReplay
   }
   /// @}
 
-  /// @name Capture paths (all CUDA-graph safe: fixed addresses, no host sync, no allocation)
-  /// @{
-  /// @brief (a) Records a layer's router output: the first K columns of `topk_ids`, a row-major
-  /// [num_tokens, K + num_fused_shared_experts] device array of any integer type, narrowed once to
-  /// Index. One small kernel on `stream`.
-  /// @throws error unknown_layer, too_many_tokens, invalid_argument
-  template <source_index Source>
-  void capture(std::int32_t model_layer,
-               const Source* topk_ids,
-               std::int64_t num_tokens,
-               stream_ref stream,
-               const capture_options& options = {})
-  {
-    buffer_.capture(model_layer, topk_ids, num_tokens, stream, options);
-  }
-
-  /// @brief (b) The [num_rows, K] slab of D for a model layer, for kernels that write routing
-  /// themselves (FlashInfer's routing_replay_out: pass layer_view(l, n).data_handle() with
-  /// layer_major and Index = int16_t). No range check happens at the write; end_step() checks.
-  /// @throws error unknown_layer, too_many_tokens
-  [[nodiscard]] layer_view_type layer_view(std::int32_t model_layer, std::int64_t num_rows)
-  {
-    return buffer_.layer_view(model_layer, num_rows);
-  }
-
-  /// @brief (c) A trivially copyable device reference whose record() an engine's own top-k kernel
-  /// calls inline: zero extra launches. `num_rows` bounds the rows it may write.
-  /// @throws error too_many_tokens
-  [[nodiscard]] ref_type ref(std::int64_t num_rows) { return buffer_.ref(num_rows); }
-  /// @}
-
  private:
   RoutingReplay(replay_config config, std::optional<stream_ref> copy_stream)
     : base(std::move(config)),
@@ -224,6 +195,8 @@ class RoutingReplay
                 copy_stream)
   {
   }
+
+  [[nodiscard]] buffer_type& capture_target() noexcept { return buffer_; }
 
   // Files every step up to serial `last` in flight, and no later one.
   void file_through(std::uint64_t last)

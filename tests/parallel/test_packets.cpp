@@ -4,6 +4,7 @@
 // with a clear error and no change.
 #include "../support/error_checks.hpp"
 #include "../support/parallel_harness.hpp"
+#include "../support/thread_ranks.hpp"
 
 #include <routing_replay/parallel/packet_worker.hpp>
 #include <routing_replay/parallel/scheduler_replay.hpp>
@@ -11,13 +12,10 @@
 
 #include <doctest/doctest.h>
 
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <deque>
-#include <exception>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace rr = routing_replay;
@@ -71,34 +69,21 @@ void run_split(int ranks, std::uint64_t seed, std::size_t lag)
 {
   const rr_test::sim_config sim = rr_test::schedule_for_seed(seed);
   rr_test::harness_shape shape;
-  shape.overwrite = seed == 3;
+  shape.overwrite   = seed == 3;
   const auto config = rr_test::make_replay_config(sim, shape);
-  rr::thread_group group{ranks, std::chrono::seconds{20}};
-  std::vector<std::string> failures(static_cast<std::size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        mailbox packets;
-        rr::parallel_replay<Worker, rr::thread_communicator> replay{config, {}, group.communicator(r), into<Worker>(packets)};
-        rr_test::rank_driver driver{replay, sim, shape, seed};
-        if (!replay.is_output_rank()) {
-          driver.run(static_cast<Scheduler*>(nullptr));
-          return;
-        }
-        Scheduler scheduler{config};
-        driver.run(&scheduler, packet_filing<Scheduler, Worker>{scheduler, replay.output(), packets, lag});
-        CHECK(driver.rows_checked() > 0);
-        CHECK(scheduler.steps_in_flight() == 0);
-      } catch (const std::exception& e) {
-        failures[static_cast<std::size_t>(r)] = e.what();
-      } catch (...) {
-        failures[static_cast<std::size_t>(r)] = "assertion failed";
-      }
-    });
-  }
-  for (auto& t : threads) { t.join(); }
-  for (const auto& f : failures) { CHECK(f == ""); }
+  rr_test::on_thread_ranks(ranks, [&](int, rr::thread_communicator comm) {
+    mailbox packets;
+    rr::parallel_replay<Worker, rr::thread_communicator> replay{config, {}, comm, into<Worker>(packets)};
+    rr_test::rank_driver driver{replay, sim, shape, seed};
+    if (!replay.is_output_rank()) {
+      driver.run(static_cast<Scheduler*>(nullptr));
+      return;
+    }
+    Scheduler scheduler{config};
+    driver.run(&scheduler, packet_filing<Scheduler, Worker>{scheduler, replay.output(), packets, lag});
+    CHECK(driver.rows_checked() > 0);
+    CHECK(scheduler.steps_in_flight() == 0);
+  });
 }
 
 }  // namespace
@@ -155,6 +140,21 @@ std::vector<std::byte> one_packet(const rr::replay_config& config, rr::request_k
   return box.front();
 }
 
+// A scheduler with request 'chat-7' whose step 1 (prefill of positions 0..2 at slots 0..2) waits for
+// its packet.
+struct waiting_scheduler {
+  explicit waiting_scheduler(const rr::replay_config& config) : s{config}
+  {
+    s.add_request("chat-7");
+    plan.schedule({"chat-7", 0, 3, 0, slots});
+    s.begin_step(plan);
+    REQUIRE(s.end_step() == 1);
+  }
+  std::vector<std::int64_t> slots{0, 1, 2};
+  rr::step_plan plan;
+  scheduler s;
+};
+
 void rehash(std::vector<std::byte>& p)
 {
   const std::uint64_t h = rr::detail::xxhash64(std::span<const std::byte>{p}.first(p.size() - 8));
@@ -166,13 +166,8 @@ void rehash(std::vector<std::byte>& p)
 TEST_CASE("bad packets are rejected with a clear error and change nothing")
 {
   const auto config = rr_test::small_config();
-  scheduler s{config};
-  s.add_request("chat-7");
-  rr::step_plan plan;
-  const std::vector<std::int64_t> slots{0, 1, 2};
-  plan.schedule({"chat-7", 0, 3, 0, slots});
-  s.begin_step(plan);
-  REQUIRE(s.end_step() == 1);
+  waiting_scheduler waiting{config};
+  scheduler& s    = waiting.s;
   const auto good = one_packet(config, "chat-7");
 
   auto rejected = [&](std::vector<std::byte> p, std::initializer_list<std::string_view> fragments) {
@@ -198,12 +193,9 @@ TEST_CASE("bad packets are rejected with a clear error and change nothing")
   {
     auto wider  = config;
     wider.top_k = 3;
-    scheduler other{wider};
-    other.add_request("chat-7");
-    other.begin_step(plan);
-    other.end_step();
-    expect_error([&] { other.file(good); }, rr::errc::invalid_packet, {"shape mismatch", "x 2 ids", "x 3 of 2"});
-    CHECK(other.steps_in_flight() == 1);
+    waiting_scheduler other{wider};
+    expect_error([&] { other.s.file(good); }, rr::errc::invalid_packet, {"shape mismatch", "x 2 ids", "x 3 of 2"});
+    CHECK(other.s.steps_in_flight() == 1);
   }
   SUBCASE("another index type")
   {
@@ -243,14 +235,9 @@ TEST_CASE("bad packets are rejected with a clear error and change nothing")
 TEST_CASE("a problem the worker's device found is reported by the scheduler, naming the request")
 {
   const auto config = rr_test::small_config();
-  scheduler s{config};
-  s.add_request("chat-7");
-  rr::step_plan plan;
-  const std::vector<std::int64_t> slots{0, 1, 2};
-  plan.schedule({"chat-7", 0, 3, 0, slots});
-  s.begin_step(plan);
-  s.end_step();
-  CHECK_THROWS(s.recorded_rows("chat-7"));  // its packet has not come yet
+  waiting_scheduler waiting{config};
+  scheduler& s = waiting.s;
+  expect_error([&] { (void)s.recorded_rows("chat-7"); }, rr::errc::invalid_state, {"waiting for its packet"});
   expect_error([&] { s.file(one_packet(config, "chat-7", 42)); }, rr::errc::invalid_expert_id,
                {"step 1", "expert id 42", "request 'chat-7', position 1", "discarded"});
   CHECK(s.steps_in_flight() == 0);
@@ -258,10 +245,10 @@ TEST_CASE("a problem the worker's device found is reported by the scheduler, nam
 
   SUBCASE("a step the worker lost is discarded")
   {
-    s.begin_step(plan);
+    s.begin_step(waiting.plan);
     s.end_step();
     rr::step_packet_writer<std::int16_t> w{2, 2};
-    w.begin(plan, 2);
+    w.begin(waiting.plan, 2);
     const auto lost = w.finish({}, nullptr);
     expect_error([&] { s.file(lost); }, rr::errc::backend_error, {"step 2", "lost"});
     CHECK(s.recorded_rows("chat-7") == 0);

@@ -2,7 +2,9 @@
 // and fails the step there (sequence parallel: a bad id in another rank's shard; pipeline: a stage
 // that recorded nothing, or a bad id); a capture-only rank's host memory does not grow with the KV
 // pool or the requests.
+#include "../support/allocation_counter.hpp"
 #include "../support/error_checks.hpp"
+#include "../support/thread_ranks.hpp"
 
 #include <routing_replay/parallel/parallel_replay.hpp>
 #include <routing_replay/parallel/thread_communicator.hpp>
@@ -10,59 +12,17 @@
 
 #include <doctest/doctest.h>
 
-#include <atomic>
 #include <chrono>
-#include <cstdlib>
-#include <exception>
-#include <functional>
-#include <new>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace rr = routing_replay;
 using rr_test::expect_error;
 
-// Counts the bytes operator new hands out while `counting` is set (every thread of the process).
-namespace {
-std::atomic<bool> counting{false};
-std::atomic<std::size_t> counted{0};
-}  // namespace
-
-void* operator new(std::size_t n)
-{
-  if (counting.load(std::memory_order_relaxed)) { counted.fetch_add(n, std::memory_order_relaxed); }
-  if (void* p = std::malloc(n == 0 ? 1 : n)) { return p; }
-  throw std::bad_alloc{};
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-
 namespace {
 
 using output  = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::sync_copy, rr::per_request_storage>;
 using replica = rr::parallel_replay<output, rr::thread_communicator>;
-
-// Runs `body(rank, comm)` on `ranks` threads; every rank must finish without an exception.
-void on_ranks(int ranks, const std::function<void(int, rr::thread_communicator)>& body)
-{
-  rr::thread_group group{ranks, std::chrono::seconds{20}};
-  std::vector<std::string> failures(static_cast<std::size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r, group.communicator(r));
-      } catch (const std::exception& e) {
-        failures[static_cast<std::size_t>(r)] = e.what();
-      } catch (...) {
-        failures[static_cast<std::size_t>(r)] = "assertion failed";
-      }
-    });
-  }
-  for (auto& t : threads) { t.join(); }
-  for (const auto& f : failures) { CHECK(f == ""); }
-}
 
 // Router output of model layers 1 and 2 for the step rows [first, first + rows): small_id(salt),
 // except `bad` at (layer slot `bad_slot`, step row `bad_row`); K = 2 plus a fused shared expert.
@@ -106,7 +66,7 @@ TEST_CASE("sequence parallel: a problem in another rank's shard fails the step o
   bool skip_layer = false;
   SUBCASE("a bad id") { skip_layer = false; }
   SUBCASE("a layer left out") { skip_layer = true; }
-  on_ranks(2, [&](int r, rr::thread_communicator comm) {
+  rr_test::on_thread_ranks(2, [&](int r, rr::thread_communicator comm) {
     replica rank{rr_test::small_config(), {rr::parallel_scheme::sequence, 0, {}}, comm};
     rr::host_stream stream;
     if (rank.is_output_rank()) { rank.output().add_request("chat-7"); }
@@ -147,7 +107,7 @@ TEST_CASE("pipeline parallel: a stage that recorded nothing leaves the sentinel,
   bool bad_id = false;
   SUBCASE("nothing recorded") { bad_id = false; }
   SUBCASE("a bad id") { bad_id = true; }
-  on_ranks(2, [&](int r, rr::thread_communicator comm) {
+  rr_test::on_thread_ranks(2, [&](int r, rr::thread_communicator comm) {
     // stage 0 owns model layer 1 (slot 0), stage 1 owns model layer 2 and files
     replica rank{rr_test::small_config(), {rr::parallel_scheme::pipeline, 1, {1, 1}}, comm};
     rr::host_stream stream;
@@ -206,18 +166,18 @@ TEST_CASE("a capture-only rank's host memory does not grow with the KV pool or t
     rr::step_plan plan;
     plan.schedule({"req", max_model_len - 200, 128});  // never looked up: capture-only ranks keep no requests
     bytes out{};
-    counted  = 0;
-    counting = true;
+    rr_test::count_allocations(true);
+    (void)rr_test::allocated_bytes_taken();
     rr::parallel_replay<pooled, rr::thread_communicator> rank{c, {}, group.communicator(1)};
-    out.built = counted.exchange(0);
+    out.built = rr_test::allocated_bytes_taken();
     for (std::int64_t step = 0; step < 50; ++step) {
       rank.begin_step(plan, stream.ref());
       for (std::int32_t layer = 0; layer < 4; ++layer) { rank.capture(layer, ids.data(), 128, stream.ref()); }
       rank.end_step(stream.ref());
       stream.synchronize();
     }
-    out.steps = counted.exchange(0);
-    counting  = false;
+    out.steps = rr_test::allocated_bytes_taken();
+    rr_test::count_allocations(false);
     CHECK(!rank.is_output_rank());
     return out;
   };

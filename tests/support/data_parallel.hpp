@@ -64,7 +64,7 @@ class dp_driver {
       steps.reserve(engines_.size());  // a step's plan points into its own slot lists: never copy one
       for (auto& e : engines_) { steps.push_back(e.next_step()); }
       auto& own = steps[static_cast<std::size_t>(rank_)];
-      admit(own);
+      admit_step(lib_, model_, engines_[static_cast<std::size_t>(rank_)], own);
       // the router output: every rank's rows, rank after rank; padding past them
       std::int64_t at = 0, first = 0;
       for (std::size_t r = 0; r < steps.size(); ++r) {
@@ -119,21 +119,6 @@ class dp_driver {
       if (!e.done()) { return false; }
     }
     return true;
-  }
-
-  void admit(const engine_sim::step& step)
-  {
-    const auto& engine = engines_[static_cast<std::size_t>(rank_)];
-    for (const auto& [number, cached] : step.prefixes) {
-      const auto& r = engine.requests()[static_cast<std::size_t>(number)];
-      if (std::find(step.added.begin(), step.added.end(), number) != step.added.end()) {
-        lib_.add_request(r.key(), {r.prompt_len, cached});
-        model_.add_request(r.key(), r.prompt_len, cached);
-      } else {
-        lib_.add_cached_prefix(r.key(), cached);
-        model_.add_cached_prefix(r.key(), cached);
-      }
-    }
   }
 
   void settle(const engine_sim::outcome& outcome)

@@ -66,6 +66,37 @@ template <class Index>
   return row;
 }
 
+/// @brief Registers the requests a step admits, and the cached prefixes it serves, with the library
+/// (`lib`: a RoutingReplay, or any host side) and the reference model alike.
+template <class Lib, class Index>
+void admit_step(Lib& lib, reference_model<Index>& model, const engine_sim& engine, const engine_sim::step& step)
+{
+  for (const auto& [number, cached] : step.prefixes) {
+    const auto& r = engine.requests()[static_cast<std::size_t>(number)];
+    if (std::find(step.added.begin(), step.added.end(), number) != step.added.end()) {
+      lib.add_request(r.key(), {r.prompt_len, cached});
+      model.add_request(r.key(), r.prompt_len, cached);
+    } else {
+      lib.add_cached_prefix(r.key(), cached);
+      model.add_cached_prefix(r.key(), cached);
+    }
+  }
+}
+
+/// @brief Path (a): the synthetic router writes layer slot `slot`'s output for `rows` rows of
+/// `meta` into `ids` (a device vector of any id type), and `lib` captures it as `model_layer`.
+template <class Backend, class Lib, class Vector>
+void capture_router_output(Lib& lib, Vector& ids, const row_meta* meta, const harness_shape& shape, std::int32_t slot,
+                           std::int32_t model_layer, std::int64_t rows, typename Backend::stream_ref stream)
+{
+  using source              = typename Vector::value_type;
+  const std::int64_t stride = shape.top_k + shape.num_fused_shared_experts;
+  source* out               = Backend::data(ids);
+  Backend::bulk_async(rows * stride, write_router_output<source>{meta, out, stride, shape.top_k, slot, shape.num_experts},
+                      stream);
+  lib.capture(model_layer, static_cast<const source*>(out), rows, stream);
+}
+
 /// @brief Extracts `key` from `lib` (a RoutingReplay, or any host side) and checks it bit-exact
 /// against the reference model; `also_copy()` says whether extract_into() is checked too. Returns
 /// the rows compared.
@@ -200,29 +231,13 @@ class replay_harness {
   template <class Vector>
   void capture_through(Vector& ids, std::int32_t slot, std::int32_t model_layer, std::int64_t num_rows)
   {
-    using source               = typename Vector::value_type;
-    const std::int64_t stride  = shape_.top_k + shape_.num_fused_shared_experts;
-    source* out                = backend::data(ids);
-    backend::bulk_async(num_rows * stride,
-                        write_router_output<source>{backend::data(meta_dev_), out, stride,
-                                                    shape_.top_k, slot, shape_.num_experts},
-                        stream_ref());
-    lib_.capture(model_layer, static_cast<const source*>(out), num_rows, stream_ref());
+    capture_router_output<backend>(lib_, ids, backend::data(meta_dev_), shape_, slot, model_layer, num_rows, stream_ref());
   }
 
   void one_step()
   {
     auto step = engine_.next_step();
-    for (const auto& [number, cached] : step.prefixes) {
-      const auto& r = engine_.requests()[static_cast<std::size_t>(number)];
-      if (std::find(step.added.begin(), step.added.end(), number) != step.added.end()) {
-        lib_.add_request(r.key(), {r.prompt_len, cached});
-        model_.add_request(r.key(), r.prompt_len, cached);
-      } else {
-        lib_.add_cached_prefix(r.key(), cached);
-        model_.add_cached_prefix(r.key(), cached);
-      }
-    }
+    admit_step(lib_, model_, engine_, step);
 
     const std::int64_t n = step.plan.num_rows();
     std::int64_t padded  = n;

@@ -37,7 +37,7 @@ struct replication_map {
   std::int64_t replicas    = 0;
 
   /// @brief Physical experts: E + 2 * replicas.
-  [[nodiscard]] std::int64_t num_physical() const noexcept { return num_experts + 2 * replicas; }
+  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int64_t num_physical() const noexcept { return num_experts + 2 * replicas; }
   /// @brief physical -> logical, as capture_options::physical_to_logical takes it.
   [[nodiscard]] std::vector<std::int32_t> physical_to_logical() const
   {
@@ -149,7 +149,7 @@ class rank_driver {
   void one_step(Host* host, Filing& filing)
   {
     auto step = engine_.next_step();
-    if (host != nullptr) { admit(host, step); }
+    if (host != nullptr) { admit_step(*host, *model_, engine_, step); }
     const std::int64_t n = step.plan.num_rows();
     std::int64_t padded  = std::min<std::int64_t>(n + uniform(shared_rng_, 0, shape_.max_padding), sim_.max_tokens_per_step);
     if (padded > n && uniform(shared_rng_, 0, 1) == 1) {
@@ -203,21 +203,6 @@ class rank_driver {
         filing.before_read();
         compare(host, r.number, o);
         break;
-      }
-    }
-  }
-
-  template <class Host>
-  void admit(Host* host, const engine_sim::step& step)
-  {
-    for (const auto& [number, cached] : step.prefixes) {
-      const auto& r = engine_.requests()[static_cast<std::size_t>(number)];
-      if (std::find(step.added.begin(), step.added.end(), number) != step.added.end()) {
-        host->add_request(r.key(), {r.prompt_len, cached});
-        model_->add_request(r.key(), r.prompt_len, cached);
-      } else {
-        host->add_cached_prefix(r.key(), cached);
-        model_->add_cached_prefix(r.key(), cached);
       }
     }
   }
@@ -279,13 +264,7 @@ class rank_driver {
   template <class Vector>
   void capture_through(Vector& ids, std::int32_t slot, std::int32_t model_layer, std::int64_t rows)
   {
-    using source              = typename Vector::value_type;
-    const std::int64_t stride = shape_.top_k + shape_.num_fused_shared_experts;
-    source* out               = backend::data(ids);
-    backend::bulk_async(rows * stride,
-                        write_router_output<source>{backend::data(meta_dev_), out, stride, shape_.top_k, slot, shape_.num_experts},
-                        stream_.ref());
-    replay_.capture(model_layer, static_cast<const source*>(out), rows, stream_.ref());
+    capture_router_output<backend>(replay_, ids, backend::data(meta_dev_), shape_, slot, model_layer, rows, stream_.ref());
   }
 
   static std::int64_t uniform(std::mt19937_64& rng, std::int64_t lo, std::int64_t hi)

@@ -10,6 +10,7 @@
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/capture_buffer.hpp>
+#include <routing_replay/data_path/capture_paths.hpp>
 #include <routing_replay/data_path/copy_pipeline.hpp>
 #include <routing_replay/data_path/step_record.hpp>
 #include <routing_replay/detail/validate_config.hpp>
@@ -36,11 +37,13 @@ namespace routing_replay {
 /// step's verdict travels in its packet: the scheduler reports a device-detected problem, naming the
 /// request. Packets are delivered from end_step() or drain(), as the copy strategy files steps
 /// (sync_copy: in the step's own end_step()). The bytes are valid during the call only.
-/// A usable output side of parallel_replay (a tensor-, sequence- or pipeline-parallel worker group
+/// The capture paths (capture(), layer_view(), ref()) are RoutingReplay's (capture_paths). A usable
+/// output side of parallel_replay (a tensor-, sequence- or pipeline-parallel worker group
 /// whose output rank packs).
 template <backend Backend, expert_index Index = std::int16_t, buffer_layout Layout = layer_major,
           copy_strategy Copy = sync_copy>
-class packet_worker {
+class packet_worker : public capture_paths<packet_worker<Backend, Index, Layout, Copy>, Backend, Index, Layout> {
+  friend capture_paths<packet_worker, Backend, Index, Layout>;  // calls capture_target()
   static_assert(Copy::site == scatter_site::host,
                 "a worker packs rows from a pinned staging; device_scatter writes host storage, which lives "
                 "in the scheduler process: use sync_copy, async_event or double_buffered");
@@ -52,8 +55,6 @@ class packet_worker {
   using copy_type       = Copy;                                    ///< the copy strategy
   using stream_ref      = typename Backend::stream_ref;            ///< stream handle taken by every call
   using buffer_type     = capture_buffer<Backend, Index, Layout>;  ///< D and the capture paths
-  using ref_type        = device_ref<Index, Layout>;               ///< trivially copyable device reference
-  using layer_view_type = typename buffer_type::layer_view_type;   ///< per-layer [rows, K] view of D
   /// @brief Receives each step's packet (e.g. sends it to the scheduler).
   using deliver_type = std::function<void(std::span<const std::byte>)>;
 
@@ -128,29 +129,10 @@ class packet_worker {
     pipeline_.drain(sink);
   }
 
-  /// @name Capture paths (as RoutingReplay's)
-  /// @{
-  /// @brief (a) Records a layer's router output (RoutingReplay::capture()).
-  /// @throws error unknown_layer, too_many_tokens, invalid_argument
-  template <source_index Source>
-  void capture(std::int32_t model_layer, const Source* topk_ids, std::int64_t num_tokens, stream_ref stream,
-               const capture_options& options = {})
-  {
-    buffer_.capture(model_layer, topk_ids, num_tokens, stream, options);
-  }
-  /// @brief (b) The [num_rows, K] slab of D for a model layer (RoutingReplay::layer_view()).
-  /// @throws error unknown_layer, too_many_tokens
-  [[nodiscard]] layer_view_type layer_view(std::int32_t model_layer, std::int64_t num_rows)
-  {
-    return buffer_.layer_view(model_layer, num_rows);
-  }
-  /// @brief (c) A trivially copyable device reference (RoutingReplay::ref()).
-  /// @throws error too_many_tokens
-  [[nodiscard]] ref_type ref(std::int64_t num_rows) { return buffer_.ref(num_rows); }
-  /// @}
-
  private:
   using slot_type = typename copy_pipeline<Backend, Index, Copy>::slot_type;
+
+  [[nodiscard]] buffer_type& capture_target() noexcept { return buffer_; }
 
   // The copy pipeline's sink: a step's rows arrived (or never will): pack and deliver its packet.
   struct packing_sink {
