@@ -43,9 +43,7 @@ class dp_driver {
       model_(std::is_same_v<typename RR::storage_type, routing_replay::block_slot_storage>, shape.overwrite,
              sim.block_size, sim.num_blocks, static_cast<std::int64_t>(shape.moe_layers.size()) * shape.top_k),
       all_rows_(static_cast<std::int64_t>(ranks) * sim.max_tokens_per_step),
-      meta_host_(static_cast<std::size_t>(all_rows_)),
-      meta_dev_(static_cast<std::size_t>(all_rows_)),
-      ids_(static_cast<std::size_t>(all_rows_ * (shape.top_k + shape.num_fused_shared_experts))),
+      io_(all_rows_, shape.top_k + shape.num_fused_shared_experts),
       span_host_(1),
       span_dev_(1)
   {
@@ -57,7 +55,7 @@ class dp_driver {
   template <class Recorder>
   void run(Recorder& recorder)
   {
-    auto s      = stream_.ref();
+    auto s      = io_.stream.ref();
     auto replay = recorder.record([this] { forward(); }, s);
     while (!all_done()) {
       std::vector<engine_sim::step> steps;
@@ -69,13 +67,13 @@ class dp_driver {
       std::int64_t at = 0, first = 0;
       for (std::size_t r = 0; r < steps.size(); ++r) {
         if (static_cast<int>(r) == rank_) { first = at; }
-        for (const auto& m : steps[r].rows) { meta_host_[static_cast<std::size_t>(at++)] = m; }
+        for (const auto& m : steps[r].rows) { io_.meta_host[static_cast<std::size_t>(at++)] = m; }
       }
-      for (std::int64_t i = at; i < all_rows_; ++i) { meta_host_[static_cast<std::size_t>(i)] = row_meta{-2, i, -1}; }
+      for (std::int64_t i = at; i < all_rows_; ++i) { io_.meta_host[static_cast<std::size_t>(i)] = row_meta{-2, i, -1}; }
       span_host_[0] = {first, own.plan.num_rows()};
       own.plan.set_padded_rows(own.plan.num_rows());  // the replay writes exactly this rank's rows
       lib_.begin_step(own.plan, s);
-      backend::copy_async(backend::data(meta_dev_), backend::data(meta_host_), meta_host_.size() * sizeof(row_meta), s);
+      backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host), io_.meta_host.size() * sizeof(row_meta), s);
       backend::copy_async(backend::data(span_dev_), backend::data(span_host_), sizeof(routing_replay::row_span), s);
       replay(s);
       lib_.end_step(s);
@@ -105,11 +103,11 @@ class dp_driver {
     o.device_row_span = backend::data(span_dev_);
     for (std::size_t slot = 0; slot < shape_.moe_layers.size(); ++slot) {
       backend::bulk_async(all_rows_ * stride,
-                          write_router_output<std::int32_t>{backend::data(meta_dev_), backend::data(ids_), stride, shape_.top_k,
+                          write_router_output<std::int32_t>{backend::data(io_.meta_dev), backend::data(io_.ids32), stride, shape_.top_k,
                                                             static_cast<std::int32_t>(slot), shape_.num_experts},
-                          stream_.ref());
-      lib_.capture(shape_.moe_layers[slot], static_cast<const std::int32_t*>(backend::data(ids_)), sim_.max_tokens_per_step,
-                   stream_.ref(), o);
+                          io_.stream.ref());
+      lib_.capture(shape_.moe_layers[slot], static_cast<const std::int32_t*>(backend::data(io_.ids32)), sim_.max_tokens_per_step,
+                   io_.stream.ref(), o);
     }
   }
 
@@ -147,10 +145,7 @@ class dp_driver {
   reference_model<index> model_;
   std::vector<engine_sim> engines_;  // one per DP rank
   std::int64_t all_rows_;            // ranks * N_max: the router output's rows
-  typename backend::stream stream_;
-  typename backend::template pinned_vector<row_meta> meta_host_;
-  typename backend::template device_vector<row_meta> meta_dev_;
-  typename backend::template device_vector<std::int32_t> ids_;
+  router_scratch<backend> io_;  // every rank's rows
   typename backend::template pinned_vector<routing_replay::row_span> span_host_;
   typename backend::template device_vector<routing_replay::row_span> span_dev_;
   std::uint64_t serial_      = 0;

@@ -36,6 +36,27 @@ struct harness_shape {
 /// @brief The capture path a layer uses in a step.
 enum class capture_path { capture_int64, capture_int32, capture_int16, layer_view, device_ref };
 
+/// @brief What a simulated forward uses on the device: its stream, the rows' metadata (pinned for
+/// the copy, and on the device) and a router output of each source id type.
+template <class Backend>
+struct router_scratch {
+  /// @brief For forwards of up to `rows` rows of router outputs `stride` ids wide.
+  router_scratch(std::int64_t rows, std::int64_t stride)
+    : meta_host(static_cast<std::size_t>(rows)),
+      meta_dev(static_cast<std::size_t>(rows)),
+      ids64(static_cast<std::size_t>(rows * stride)),
+      ids32(static_cast<std::size_t>(rows * stride)),
+      ids16(static_cast<std::size_t>(rows * stride))
+  {
+  }
+  typename Backend::stream stream;
+  typename Backend::template pinned_vector<row_meta> meta_host;
+  typename Backend::template device_vector<row_meta> meta_dev;
+  typename Backend::template device_vector<std::int64_t> ids64;
+  typename Backend::template device_vector<std::int32_t> ids32;
+  typename Backend::template device_vector<std::int16_t> ids16;
+};
+
 /// @brief The replay_config of a simulated engine and a replay shape.
 inline routing_replay::replay_config make_replay_config(const sim_config& sim, const harness_shape& shape)
 {
@@ -150,11 +171,7 @@ class replay_harness {
              static_cast<std::int64_t>(shape.moe_layers.size()) * shape.top_k),
       engine_(sim, seed),
       rng_(seed * 7919 + 17),
-      meta_host_(static_cast<std::size_t>(sim.max_tokens_per_step)),
-      meta_dev_(static_cast<std::size_t>(sim.max_tokens_per_step)),
-      ids64_(scratch_size()),
-      ids32_(scratch_size()),
-      ids16_(scratch_size())
+      io_(sim.max_tokens_per_step, shape.top_k + shape.num_fused_shared_experts)
   {
   }
 
@@ -190,12 +207,12 @@ class replay_harness {
     const std::int32_t model_layer = shape_.moe_layers[static_cast<std::size_t>(slot)];
     const std::int32_t k           = shape_.top_k;
     const std::int64_t e           = shape_.num_experts;
-    const row_meta* meta           = backend::data(meta_dev_);
+    const row_meta* meta           = backend::data(io_.meta_dev);
     auto s                         = stream_ref();
     switch (path) {
-      case capture_path::capture_int64: capture_through(ids64_, slot, model_layer, num_rows); break;
-      case capture_path::capture_int32: capture_through(ids32_, slot, model_layer, num_rows); break;
-      case capture_path::capture_int16: capture_through(ids16_, slot, model_layer, num_rows); break;
+      case capture_path::capture_int64: capture_through(io_.ids64, slot, model_layer, num_rows); break;
+      case capture_path::capture_int32: capture_through(io_.ids32, slot, model_layer, num_rows); break;
+      case capture_path::capture_int16: capture_through(io_.ids16, slot, model_layer, num_rows); break;
       case capture_path::layer_view: {
         auto view = lib_.layer_view(model_layer, num_rows);
         backend::bulk_async(num_rows * k, write_layer_view<decltype(view)>{meta, view, k, slot, e}, s);
@@ -212,17 +229,11 @@ class replay_harness {
   /// @brief The library under test.
   RR& library() noexcept { return lib_; }
   /// @brief The stream every step runs on.
-  typename backend::stream_ref stream_ref() noexcept { return stream_.ref(); }
+  typename backend::stream_ref stream_ref() noexcept { return io_.stream.ref(); }
   /// @brief Rows compared so far.
   [[nodiscard]] std::int64_t rows_checked() const noexcept { return rows_checked_; }
 
  private:
-  [[nodiscard]] std::size_t scratch_size() const
-  {
-    return static_cast<std::size_t>(sim_cfg_.max_tokens_per_step) *
-           static_cast<std::size_t>(shape_.top_k + shape_.num_fused_shared_experts);
-  }
-
   capture_path random_path()
   {
     return static_cast<capture_path>(std::uniform_int_distribution<int>{0, 4}(rng_));
@@ -231,7 +242,7 @@ class replay_harness {
   template <class Vector>
   void capture_through(Vector& ids, std::int32_t slot, std::int32_t model_layer, std::int64_t num_rows)
   {
-    capture_router_output<backend>(lib_, ids, backend::data(meta_dev_), shape_, slot, model_layer, num_rows, stream_ref());
+    capture_router_output<backend>(lib_, ids, backend::data(io_.meta_dev), shape_, slot, model_layer, num_rows, stream_ref());
   }
 
   void one_step()
@@ -247,13 +258,13 @@ class replay_harness {
     }
     if (padded > n && engine_.chance(0.5)) { step.plan.set_padded_rows(padded); }
     for (std::int64_t i = 0; i < padded; ++i) {
-      meta_host_[static_cast<std::size_t>(i)] =
+      io_.meta_host[static_cast<std::size_t>(i)] =
         i < n ? step.rows[static_cast<std::size_t>(i)] : row_meta{-2, i, -1};  // padding rows
     }
     auto s = stream_ref();
     lib_.begin_step(step.plan, s);
     ++serial_;
-    backend::copy_async(backend::data(meta_dev_), backend::data(meta_host_),
+    backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host),
                         static_cast<std::size_t>(padded) * sizeof(row_meta), s);
     if (forward_) {
       forward_(padded);
@@ -308,12 +319,7 @@ class replay_harness {
   reference_model<index> model_;
   engine_sim engine_;
   std::mt19937_64 rng_;
-  typename backend::stream stream_;
-  typename backend::template pinned_vector<row_meta> meta_host_;
-  typename backend::template device_vector<row_meta> meta_dev_;
-  typename backend::template device_vector<std::int64_t> ids64_;
-  typename backend::template device_vector<std::int32_t> ids32_;
-  typename backend::template device_vector<std::int16_t> ids16_;
+  router_scratch<backend> io_;
   std::function<void(std::int64_t)> forward_;
   std::uint64_t serial_       = 0;
   std::int64_t rows_checked_  = 0;

@@ -94,11 +94,7 @@ class rank_driver {
       engine_(sim, seed),
       shared_rng_(seed * 7919 + 17),
       rank_rng_(seed * 31 + static_cast<std::uint64_t>(replay.rank())),
-      meta_host_(static_cast<std::size_t>(sim.max_tokens_per_step)),
-      meta_dev_(static_cast<std::size_t>(sim.max_tokens_per_step)),
-      ids64_(scratch()),
-      ids32_(scratch()),
-      ids16_(scratch())
+      io_(sim.max_tokens_per_step, shape.top_k + shape.num_fused_shared_experts)
   {
     first_slot_ = 0;
     num_slots_  = static_cast<std::int32_t>(shape.moe_layers.size());
@@ -139,12 +135,6 @@ class rank_driver {
   [[nodiscard]] std::int64_t steps() const noexcept { return serial_; }
 
  private:
-  [[nodiscard]] std::size_t scratch() const
-  {
-    return static_cast<std::size_t>(sim_.max_tokens_per_step) *
-           static_cast<std::size_t>(shape_.top_k + shape_.num_fused_shared_experts);
-  }
-
   template <class Host, class Filing>
   void one_step(Host* host, Filing& filing)
   {
@@ -164,13 +154,13 @@ class rank_driver {
     }
     for (std::int64_t i = 0; i < rows; ++i) {
       const std::int64_t g = first + i;
-      meta_host_[static_cast<std::size_t>(i)] = g < n ? step.rows[static_cast<std::size_t>(g)] : row_meta{-2, g, -1};
+      io_.meta_host[static_cast<std::size_t>(i)] = g < n ? step.rows[static_cast<std::size_t>(g)] : row_meta{-2, g, -1};
     }
     filing.planned(step.plan);
-    auto s = stream_.ref();
+    auto s = io_.stream.ref();
     replay_.begin_step(step.plan, s);
     ++serial_;
-    backend::copy_async(backend::data(meta_dev_), backend::data(meta_host_), static_cast<std::size_t>(rows) * sizeof(row_meta), s);
+    backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host), static_cast<std::size_t>(rows) * sizeof(row_meta), s);
     for (std::int32_t l = 0; l < num_slots_; ++l) { forward_layer(first_slot_ + l, rows); }
     replay_.end_step(s);
     backend::synchronize(s);  // the engine reads back its sampled tokens
@@ -233,21 +223,21 @@ class rank_driver {
     const std::int32_t model_layer = shape_.moe_layers[static_cast<std::size_t>(slot)];
     const std::int32_t k           = shape_.top_k;
     const std::int64_t stride      = k + shape_.num_fused_shared_experts;
-    const row_meta* meta           = backend::data(meta_dev_);
-    auto s                         = stream_.ref();
+    const row_meta* meta           = backend::data(io_.meta_dev);
+    auto s                         = io_.stream.ref();
     if (map_.num_experts > 0) {
-      backend::bulk_async(rows * stride, write_physical_output<std::int32_t>{meta, backend::data(ids32_), stride, k, slot, map_}, s);
+      backend::bulk_async(rows * stride, write_physical_output<std::int32_t>{meta, backend::data(io_.ids32), stride, k, slot, map_}, s);
       routing_replay::capture_options o;
       o.physical_to_logical  = backend::data(physical_);
       o.num_physical_experts = map_.num_physical();
-      replay_.capture(model_layer, static_cast<const std::int32_t*>(backend::data(ids32_)), rows, s, o);
+      replay_.capture(model_layer, static_cast<const std::int32_t*>(backend::data(io_.ids32)), rows, s, o);
       return;
     }
     const std::int64_t e = shape_.num_experts;
     switch (uniform(rank_rng_, 0, 4)) {
-      case 0: capture_through(ids64_, slot, model_layer, rows); break;
-      case 1: capture_through(ids32_, slot, model_layer, rows); break;
-      case 2: capture_through(ids16_, slot, model_layer, rows); break;
+      case 0: capture_through(io_.ids64, slot, model_layer, rows); break;
+      case 1: capture_through(io_.ids32, slot, model_layer, rows); break;
+      case 2: capture_through(io_.ids16, slot, model_layer, rows); break;
       case 3: {
         auto view = replay_.layer_view(model_layer, rows);
         backend::bulk_async(rows * k, write_layer_view<decltype(view)>{meta, view, k, slot, e}, s);
@@ -264,7 +254,7 @@ class rank_driver {
   template <class Vector>
   void capture_through(Vector& ids, std::int32_t slot, std::int32_t model_layer, std::int64_t rows)
   {
-    capture_router_output<backend>(replay_, ids, backend::data(meta_dev_), shape_, slot, model_layer, rows, stream_.ref());
+    capture_router_output<backend>(replay_, ids, backend::data(io_.meta_dev), shape_, slot, model_layer, rows, io_.stream.ref());
   }
 
   static std::int64_t uniform(std::mt19937_64& rng, std::int64_t lo, std::int64_t hi)
@@ -282,12 +272,7 @@ class rank_driver {
   std::optional<reference_model<index>> model_;  // output rank
   std::int32_t first_slot_ = 0, num_slots_ = 0;  // the layer slots this rank captures
   replication_map map_{};
-  typename backend::stream stream_;
-  typename backend::template pinned_vector<row_meta> meta_host_;
-  typename backend::template device_vector<row_meta> meta_dev_;
-  typename backend::template device_vector<std::int64_t> ids64_;
-  typename backend::template device_vector<std::int32_t> ids32_;
-  typename backend::template device_vector<std::int16_t> ids16_;
+  router_scratch<backend> io_;
   typename backend::template device_vector<std::int32_t> physical_;
   std::uint64_t serial_      = 0;
   std::int64_t rows_checked_ = 0;
