@@ -118,6 +118,7 @@ class RoutingReplay
 
   /// @name Device shape
   /// @{
+
   /// @brief Bytes of the device buffer D: N_max * L * K * sizeof(Index) (capture paths write it).
   [[nodiscard]] std::size_t device_bytes() const noexcept { return buffer_.bytes(); }
   /// @brief Bytes of the device snapshots the copies read: Copy::ring_depth more buffers like D.
@@ -128,6 +129,7 @@ class RoutingReplay
 
   /// @name Steps
   /// @{
+
   /// @brief Opens a step: validates the plan and reserves host storage. All host errors of a step
   /// surface here, before any change. Block-slot storage takes the step's fresh blocks now, and
   /// device_scatter decides where every row of the step will go.

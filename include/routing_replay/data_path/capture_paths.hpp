@@ -27,6 +27,7 @@ class capture_paths {
 
   /// @name Capture paths (all CUDA-graph safe: fixed addresses, no host sync, no allocation)
   /// @{
+
   /// @brief (a) Records a layer's router output: the first K columns of `topk_ids`, a row-major
   /// [num_tokens, K + num_fused_shared_experts] device array of any integer type, narrowed once to
   /// Index. One small kernel on `stream`.

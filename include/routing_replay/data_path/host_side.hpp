@@ -48,6 +48,7 @@ class host_side {
 
   /// @name Shape
   /// @{
+
   /// @brief The configuration, as validated.
   [[nodiscard]] const replay_config& config() const noexcept { return config_; }
   /// @brief L: captured MoE layers.
@@ -67,6 +68,7 @@ class host_side {
 
   /// @name Requests
   /// @{
+
   /// @brief Registers a request that asked for its routing. Requests that did not ask are never
   /// added and their tokens are skip()ped in plans: they cost nothing on the host.
   /// @throws error duplicate_request, slot_out_of_range (cached slots), position_out_of_range

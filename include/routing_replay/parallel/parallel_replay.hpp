@@ -140,6 +140,7 @@ class parallel_replay {
 
   /// @name Steps (every rank, same plans, same order)
   /// @{
+
   /// @brief Opens a step: on the output rank as its output side does (validation, storage); on a
   /// capture-only rank the plan's row counts only.
   /// @throws error too_many_tokens, invalid_state; on the output rank as its begin_step()
@@ -198,6 +199,7 @@ class parallel_replay {
 
   /// @name Capture paths (as RoutingReplay's; D is this rank's: a shard of rows, or a stage's layers)
   /// @{
+
   /// @brief (a) Records a layer's router output on `stream` (RoutingReplay::capture()).
   /// @throws error unknown_layer, too_many_tokens, invalid_argument
   template <source_index Source>

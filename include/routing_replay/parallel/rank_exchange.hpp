@@ -31,19 +31,22 @@ namespace detail {
 template <class Backend>
 using exchange_buffer = typename Backend::template device_vector<std::uint64_t>;
 
+/// @brief A buffer of at least `bytes` bytes.
 template <class Backend>
 [[nodiscard]] exchange_buffer<Backend> make_exchange_buffer(std::size_t bytes)
 {
   return exchange_buffer<Backend>((bytes + 7) / 8);
 }
 
+/// @brief The buffer's first byte.
 template <class Backend>
 [[nodiscard]] std::byte* bytes_of(exchange_buffer<Backend>& buffer) noexcept
 {
   return reinterpret_cast<std::byte*>(Backend::data(buffer));
 }
 
-// The end-of-step kernel over a rank's own D into an exchange part (its status first, zeroed).
+/// @brief The end-of-step kernel over a rank's own D into an exchange part (its status first,
+/// zeroed before the kernel).
 template <class Backend, class Index, class Buffer>
 void harvest_into_part(Buffer& d, std::byte* part, std::int64_t rows, std::int64_t padded,
                        typename Backend::stream_ref stream)
