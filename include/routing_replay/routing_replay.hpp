@@ -2,8 +2,8 @@
 /// RoutingReplay: the owning object an engine instantiates from policies to capture, move, file
 /// and return routed experts. Plain C++20; include routing_replay/routing_replay.cuh for CUDA.
 ///
-/// It composes the five parts of the data path, each in its own header under data_path/; one row
-/// goes through them in this order:
+/// It composes the parts of the data path, each in its own header under data_path/; one row goes
+/// through them in this order:
 /// 1. request_registry (request_registry.hpp): requests that asked for their routing;
 /// 2. step_planner (step_planner.hpp): an engine's step_plan → the step's record (rows, positions,
 ///    slots, drafts, claims);
@@ -11,7 +11,8 @@
 ///    layer_view() and ref() during the forward; the end-of-step kernel checks, snapshots, resets;
 /// 4. copy_pipeline (copy_pipeline.hpp): the snapshot leaves the device through a ring of slots,
 ///    as the copy strategy says;
-/// 5. row_filer (row_filer.hpp): rows are filed into host storage, drafts resolved, requests read.
+/// 5. row_filer (row_filer.hpp): rows are filed into host storage, drafts resolved;
+/// 6. row_reader (row_reader.hpp): a request's rows come back out, a view or a copy.
 #pragma once
 
 #include <routing_replay/backend.hpp>
@@ -20,6 +21,7 @@
 #include <routing_replay/data_path/capture_buffer.hpp>
 #include <routing_replay/data_path/copy_pipeline.hpp>
 #include <routing_replay/data_path/row_filer.hpp>
+#include <routing_replay/data_path/row_reader.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
 #include <routing_replay/detail/validate_config.hpp>
 #include <routing_replay/errors.hpp>
@@ -54,20 +56,15 @@ template <backend Backend,
           host_storage Storage = per_request_storage>
 class RoutingReplay {
   static constexpr bool device_scatters = Copy::site == scatter_site::device;
-  static_assert(!device_scatters || Storage::stable_row_addresses,
-                "device_scatter has a kernel write rows straight into host storage while the host "
-                "plans later steps, so row addresses must never move; per_request_storage grows "
-                "each request's array by reallocation. Use block_slot_storage with device_scatter, "
-                "or a host-scatter strategy (sync_copy, async_event, double_buffered) with "
-                "per_request_storage.");
-  // a kernel writes the rows of a device scatter: they live in pinned memory it can reach
-  using rows_vector   = std::conditional_t<device_scatters, typename Backend::template pinned_vector<Index>,
-                                           std::vector<Index>>;
-  using store_type    = typename Storage::template store<Index, rows_vector>;
+  // a device scatter's kernel writes rows straight into host storage: pinned and mapped memory
+  using row_memory    = std::conditional_t<device_scatters, detail::device_written_rows<Backend>,
+                                           detail::host_written_rows>;
+  using store_type    = typename Storage::template store<Index, row_memory>;
   using buffer_type   = capture_buffer<Backend, Index, Layout>;
   using planner_type  = step_planner<Index>;
   using pipeline_type = copy_pipeline<Backend, Index, Copy>;
   using filer_type    = row_filer<Index, store_type, Copy::site>;
+  using reader_type   = row_reader<Index, store_type, filer_type::claims_when_planned>;
 
  public:
   using backend_type    = Backend;                              ///< the backend policy
@@ -171,7 +168,7 @@ class RoutingReplay {
   {
     const std::uint32_t h = requests_.find(id);
     drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
-    return filer_.readable_rows(h, requests_, planner_.open_step());
+    return reader_.readable_rows(h, requests_, planner_.open_step());
   }
 
   /// @brief Resolves the oldest pending draft group of a request: the first `num_accepted` drafts
@@ -195,7 +192,7 @@ class RoutingReplay {
   {
     const auto [h, begin, end] = select_rows(id, options);
     const std::int64_t prompt  = options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
-    return filer_.extract(h, begin, end, prompt, options);
+    return reader_.extract(filer_.store(), h, begin, end, prompt, options);
   }
 
   /// @brief Copies a request's rows into a caller buffer; returns the number of rows written.
@@ -203,7 +200,7 @@ class RoutingReplay {
   std::int64_t extract_into(request_key id, std::span<Index> out, const extract_options& options = {})
   {
     const auto [h, begin, end] = select_rows(id, options);
-    filer_.copy_rows_into(id, h, begin, end, options, out);
+    reader_.copy_rows_into(filer_.store(), id, h, begin, end, options, out);
     return end - begin;
   }
 
@@ -350,6 +347,7 @@ class RoutingReplay {
     : config_(detail::validated_config<Index>(std::move(config))),
       buffer_(config_, layer_map{config_}),
       filer_(config_, buffer_.layers()),
+      reader_(config_, buffer_.layers()),
       planner_(config_),
       pipeline_(static_cast<std::size_t>(config_.max_tokens_per_step),
                 static_cast<std::size_t>(filer_.row_elems()),
@@ -370,7 +368,7 @@ class RoutingReplay {
   {
     const std::uint32_t h   = requests_.find(id);
     drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
-    const auto [begin, end] = filer_.extraction_range(id, h, options, requests_, planner_.open_step());
+    const auto [begin, end] = reader_.extraction_range(id, h, options, requests_, planner_.open_step());
     return {h, begin, end};
   }
 
@@ -386,6 +384,7 @@ class RoutingReplay {
   buffer_type buffer_;          // D and the capture paths
   request_registry requests_;   // live requests
   filer_type filer_;            // host storage (with device scatter, what the pipeline writes)
+  reader_type reader_;          // reads rows back
   planner_type planner_;        // the open step
   // Last: destroyed first, it waits for every copy in flight while what they write (stagings, the
   // storage of a device scatter) and the stream they run on still exist.

@@ -7,6 +7,7 @@
 #include <routing_replay/data_path/copy_pipeline.hpp>
 #include <routing_replay/data_path/request_registry.hpp>
 #include <routing_replay/data_path/row_filer.hpp>
+#include <routing_replay/data_path/row_reader.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/host_storage.hpp>
@@ -41,6 +42,7 @@ struct planning {
   rr::layer_map layers{config};
   rr::request_registry requests;
   Filer filer{config, layers};
+  rr::row_reader<index_t, typename Filer::store_type, Filer::claims_when_planned> reader{config, layers};
   rr::step_planner<index_t> planner{config};
 
   std::uint32_t add(rr::request_key id)
@@ -146,21 +148,27 @@ TEST_CASE("step_planner: every rejection rule leaves nothing changed; an accepte
 
 TEST_CASE("step_planner: host memory limit, exact growth when doubling would cross it")
 {
+  // rows of 4 ids (8 bytes) in segments of one page (4 KiB, 512 rows) up to 16 pages
   planning<per_request_filer> p;
-  p.config.host_memory_limit = 20 * 4 * sizeof(index_t);  // 20 rows of L * K = 4 ids
-  p.filer = per_request_filer{p.config, p.layers};
+  p.config.max_model_len     = 8192;
+  p.config.host_memory_limit = 20 * 1024;
+  p.filer                    = per_request_filer{p.config, p.layers};
+  p.planner                  = rr::step_planner<index_t>{p.config};
   p.add("r");
+  auto step = [&](std::int64_t first, std::int32_t count) {
+    rr::step_plan plan;
+    plan.schedule({.id = "r", .first_position = first, .num_tokens = count});
+    p.plan(plan);
+    (void)p.planner.close();
+    return p.filer.store().bytes_in_use();
+  };
+  CHECK(step(0, 8) == 4096);        // the first segment
+  CHECK(step(8, 8) == 4096);        // still room
+  CHECK(step(900, 8) == 8192);      // a segment of the capacity: doubling
+  CHECK(step(1400, 8) == 16384);    // doubling again
+  CHECK(step(2100, 8) == 20480);    // doubling (16 KiB more) would cross the limit: exactly a page
   rr::step_plan plan;
-  plan.schedule({.id = "r", .first_position = 0, .num_tokens = 8});
-  p.plan(plan);  // 16 rows: the minimum growth
-  (void)p.planner.close();
-  plan.clear();
-  plan.schedule({.id = "r", .first_position = 12, .num_tokens = 8});  // doubling: 32 rows; exactly: 20
-  p.plan(plan);
-  CHECK(p.filer.store().bytes_in_use() == p.config.host_memory_limit);
-  (void)p.planner.close();
-  plan.clear();
-  plan.schedule({.id = "r", .first_position = 20, .num_tokens = 1});
+  plan.schedule({.id = "r", .first_position = 2600, .num_tokens = 1});
   CHECK(code_of([&] { p.planner.validate(plan, p.requests, p.filer); }) == rr::errc::host_memory_exhausted);
 }
 
@@ -192,9 +200,9 @@ TEST_CASE("step_planner: block-slot plans check slots and blocks, then claim eve
   p.plan(plan);
   CHECK(p.filer.store().generation_of(4) == generation + 1);  // fresh before the step's own claims
   const auto& record = *p.planner.open_step();
-  REQUIRE(record.ops.size() == 3);  // claimed when planned: every row's place is known now
-  CHECK(record.ops[0].row == 0);
-  CHECK(record.ops[2].row == 2);
+  REQUIRE(record.ops.size() == 1);  // claimed when planned: three rows to consecutive slots, one piece
+  CHECK(record.ops[0].src == 0);
+  CHECK(record.ops[0].elems == 3 * 4);
   CHECK(record.runs[0].recorded_before == 0);
   CHECK(record.runs[0].recorded_after == 3);
 }
@@ -334,19 +342,21 @@ TEST_CASE("row_filer: first write wins, rows of a released request in flight are
   const rr::step_record<index_t> first = p.planner.close();
   const std::vector<index_t> staging{1, 1, 1, 1, 2, 2, 2, 2};
   rr::detail::step_status clean{};
+  p.filer.retired(first);
   p.filer.file(first, clean, staging.data(), p.requests);
-  CHECK(p.filer.readable_rows(h, p.requests, nullptr) == 1);  // the draft is tentative
+  CHECK(p.reader.readable_rows(h, p.requests, nullptr) == 1);  // the draft is tentative
   p.filer.accept_draft("r", h, 1, p.requests);
-  CHECK(p.filer.readable_rows(h, p.requests, nullptr) == 2);
+  CHECK(p.reader.readable_rows(h, p.requests, nullptr) == 2);
 
   plan.clear();
   plan.schedule({.id = "r", .first_position = 1, .num_tokens = 1});  // recompute of position 1
   p.plan(plan);
   const rr::step_record<index_t> second = p.planner.close();
   const std::vector<index_t> later{9, 9, 9, 9};
+  p.filer.retired(second);
   p.filer.file(second, clean, later.data(), p.requests);
   std::vector<index_t> out(8);
-  p.filer.copy_rows(h, 0, 2, {}, out.data());
+  p.reader.copy_rows(p.filer.store(), h, 0, 2, {}, out.data());
   CHECK(out == staging);  // the first routing recorded for a position wins
 
   rr::detail::step_status dirty{};

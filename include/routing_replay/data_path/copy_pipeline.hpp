@@ -133,19 +133,27 @@ class copy_pipeline {
     if constexpr (host_scatters) {
       const auto bytes = static_cast<std::size_t>(step.num_rows * row_elems_) * sizeof(Index);
       Backend::copy_async(Backend::data(slot.staging), Backend::data(slot.snapshot), bytes, stream);
-    } else if (const std::size_t num_ops = step.ops.size(); num_ops > 0) {
+      constexpr std::size_t status_bytes = sizeof(detail::step_status);
+      auto* status                       = Backend::data(slot.device_status);
+      Backend::copy_async(Backend::data(slot.status), status, status_bytes, stream);
+      Backend::fill_2d_async(status, status_bytes, 0, status_bytes, 1, stream);
+    } else {
+      // one launch: the kernel reads the pieces where they are (pinned), writes the rows, and its
+      // last block publishes the status and zeroes it
+      const auto num_ops = static_cast<std::int32_t>(step.ops.size());
       std::copy(step.ops.begin(), step.ops.end(), Backend::data(slot.ops));
-      Backend::copy_async(Backend::data(slot.device_ops), Backend::data(slot.ops),
-                          num_ops * sizeof(detail::scatter_op<Index>), stream);
-      Backend::bulk_async(static_cast<std::int64_t>(num_ops) * row_elems_,
-                          detail::scatter_rows<Index>{Backend::data(slot.device_ops), Backend::data(slot.snapshot),
-                                                      Backend::data(slot.device_status), row_elems_},
-                          stream);
+      const std::int32_t blocks = std::max(1, num_ops);
+      Backend::launch_async(blocks,
+                            detail::kernel_block_threads,
+                            detail::scatter_rows<Index>{Backend::data(slot.ops),
+                                                        Backend::data(slot.snapshot),
+                                                        Backend::data(slot.device_status),
+                                                        Backend::data(slot.status),
+                                                        Backend::data(slot.blocks_done),
+                                                        num_ops,
+                                                        blocks},
+                            stream);
     }
-    constexpr std::size_t status_bytes = sizeof(detail::step_status);
-    auto* status                       = Backend::data(slot.device_status);
-    Backend::copy_async(Backend::data(slot.status), status, status_bytes, stream);
-    Backend::fill_2d_async(status, status_bytes, 0, status_bytes, 1, stream);
     Backend::record(slot.copied, stream);
   }
 

@@ -137,16 +137,7 @@ class step_planner {
         {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});
       if (s.num_draft_tokens > 0) { r.drafts.push_back(draft_group_of(s, slots_begin >= 0)); }
     }
-    if constexpr (Filer::claims_when_planned) {
-      for (auto& run : out.runs) {
-        auto& r             = requests[run.handle];
-        run.recorded_before = r.recorded_rows;
-        filer.claim_run(run, r, out, [&](auto claim, std::int64_t row) {
-          out.ops.push_back({claim.dst, claim.copy_from, row});
-        });
-        run.recorded_after = r.recorded_rows;
-      }
-    }
+    if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, requests); }
     open_ = true;
   }
 
