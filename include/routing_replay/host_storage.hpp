@@ -6,11 +6,20 @@
 #include <routing_replay/detail/per_request_store.hpp>
 
 #include <concepts>
+#include <type_traits>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 namespace routing_replay {
+
+namespace detail {
+/// @brief Takes the pieces device_pieces() emits, to check a store offers it (a named type: nvcc
+/// refuses lambdas in requires-expressions).
+struct piece_probe {
+  void operator()(std::int16_t*, std::int64_t) const noexcept {}
+};
+}  // namespace detail
 
 /// @brief Each request owns one contiguous, lazily grown range of rows at its positions.
 ///
@@ -43,6 +52,14 @@ struct block_slot_storage {
   static constexpr const char* name = "block_slot";
 };
 
+/// @brief The store of a host-storage policy for a backend and an index type: its rows in ordinary
+/// memory, or, when a kernel writes them (`DeviceWrites`: device scatter), in memory pinned and
+/// mapped through the backend.
+template <class Storage, class Backend, class Index, bool DeviceWrites>
+using host_store = typename Storage::template store<
+  Index,
+  std::conditional_t<DeviceWrites, detail::device_written_rows<Backend>, detail::host_written_rows>>;
+
 /// @brief A host-storage policy: names a store that opens and closes requests, validates and
 /// reserves ahead of the scatter (so filing never fails), files rows (claim/unclaim/erase, by step
 /// serial, readable once filed), tells kernels where rows go (device_pieces), serves them
@@ -71,7 +88,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   { store.claim(h, position, position, std::uint32_t{0}, std::uint64_t{0}, true) } -> std::same_as<detail::row_claim<std::int16_t>>;
   store.unclaim(h, position, position, std::uint64_t{0});
   store.set_filed_through(std::uint64_t{0});
-  cstore.device_pieces(h, row, position, [](std::int16_t*, std::int64_t) {});
+  cstore.device_pieces(h, row, position, detail::piece_probe{});
   store.erase(h, position, position);
   { store.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
   { cstore.read(h, position, row) } -> std::same_as<bool>;

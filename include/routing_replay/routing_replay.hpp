@@ -23,6 +23,7 @@
 #include <routing_replay/data_path/row_filer.hpp>
 #include <routing_replay/data_path/row_reader.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
+#include <routing_replay/detail/thread_check.hpp>
 #include <routing_replay/detail/validate_config.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/host_backend.hpp>
@@ -55,13 +56,8 @@ template <backend Backend,
           copy_strategy Copy   = sync_copy,
           host_storage Storage = per_request_storage>
 class RoutingReplay {
-  static constexpr bool device_scatters = Copy::site == scatter_site::device;
-  // a device scatter's kernel writes rows straight into host storage: pinned and mapped memory
-  using row_memory    = std::conditional_t<device_scatters, detail::device_written_rows<Backend>,
-                                           detail::host_written_rows>;
-  using store_type    = typename Storage::template store<Index, row_memory>;
+  using store_type    = host_store<Storage, Backend, Index, Copy::site == scatter_site::device>;
   using buffer_type   = capture_buffer<Backend, Index, Layout>;
-  using planner_type  = step_planner<Index>;
   using pipeline_type = copy_pipeline<Backend, Index, Copy>;
   using filer_type    = row_filer<Index, store_type, Copy::site>;
   using reader_type   = row_reader<Index, store_type, filer_type::claims_when_planned>;
@@ -139,6 +135,7 @@ class RoutingReplay {
   /// @throws error duplicate_request, slot_out_of_range (cached slots), position_out_of_range
   void add_request(request_key id, const request_options& options = {})
   {
+    [[maybe_unused]] const auto inside = threads_.enter("add_request");
     filer_.check_cached_prefix(id, options.cached_slots);
     const std::uint32_t h = requests_.add(id);  // throws duplicate_request
     filer_.store().open(h);
@@ -146,13 +143,13 @@ class RoutingReplay {
     filer_.bind_cached_prefix(h, options.cached_slots, requests_, planner_.latest_serial());
   }
 
-  /// @brief A live request (re)starts with positions [0, cached_slots.size()) served from the
-  /// prefix cache, e.g. when it is re-admitted after preemption. Block-slot storage binds those
-  /// positions to the slots unless it already holds a valid row for them (first write wins);
-  /// per-request storage has no rows for cached positions it never computed (they read as missing).
+  /// @brief A live request (re)starts with positions [0, cached_slots.size()) from the prefix cache
+  /// (re-admitted after preemption): block-slot storage binds them to the slots unless it holds a
+  /// row for them (first write wins); per-request storage has no rows for them (missing).
   /// @throws error unknown_request, slot_out_of_range, position_out_of_range
   void add_cached_prefix(request_key id, std::span<const std::int64_t> cached_slots)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("add_cached_prefix");
     const std::uint32_t h = requests_.find(id);
     filer_.check_cached_prefix(id, cached_slots);
     filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial());
@@ -166,8 +163,9 @@ class RoutingReplay {
   /// @throws error unknown_request; as drain() for a step filed on the way
   [[nodiscard]] std::int64_t recorded_rows(request_key id)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("recorded_rows");
     const std::uint32_t h = requests_.find(id);
-    drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
+    pipeline_.drain(filing(), requests_[h].reads_step);  // what the request's rows may wait for
     return reader_.readable_rows(h, requests_, planner_.open_step());
   }
 
@@ -176,6 +174,7 @@ class RoutingReplay {
   /// @throws error unknown_request, draft_error
   void accept_draft(request_key id, std::int32_t num_accepted)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("accept_draft");
     filer_.accept_draft(id, requests_.find(id), num_accepted, requests_);
   }
 
@@ -190,6 +189,7 @@ class RoutingReplay {
   /// drain() for a step filed on the way
   [[nodiscard]] result_type extract(request_key id, const extract_options& options = {})
   {
+    [[maybe_unused]] const auto inside = threads_.enter("extract");
     const auto [h, begin, end] = select_rows(id, options);
     const std::int64_t prompt  = options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
     return reader_.extract(filer_.store(), h, begin, end, prompt, options);
@@ -199,20 +199,21 @@ class RoutingReplay {
   /// @throws error as extract(), and invalid_argument if `out` is too small
   std::int64_t extract_into(request_key id, std::span<Index> out, const extract_options& options = {})
   {
+    [[maybe_unused]] const auto inside = threads_.enter("extract_into");
     const auto [h, begin, end] = select_rows(id, options);
     reader_.copy_rows_into(filer_.store(), id, h, begin, end, options, out);
     return end - begin;
   }
 
-  /// @brief Block-slot storage: files every step in flight, then copies the rows of whole KV blocks
-  /// into `out` ([blocks.size() * block_size, L, K]; rows never recorded hold the sentinel), so
-  /// they can follow their KV to another tier or instance (prefill/decode disaggregation).
-  /// @throws error slot_out_of_range, invalid_argument (`out` too small), invalid_state (a step is
-  /// open); as drain()
+  /// @brief Block-slot storage: files every step in flight, then copies whole KV blocks' rows into
+  /// `out` ([blocks.size() * block_size, L, K]; the sentinel where none), so they can follow their
+  /// KV to another tier or instance (prefill/decode disaggregation).
+  /// @throws error slot_out_of_range, invalid_argument (`out` too small), invalid_state; as drain()
   void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out)
     requires(store_type::slot_indexed)
   {
-    check_block_transfer("export_blocks", blocks, out.size());
+    [[maybe_unused]] const auto inside = threads_.enter("export_blocks");
+    filer_.check_block_transfer("export_blocks", blocks, out.size(), planner_.is_open());
     drain();
     filer_.store().export_blocks(blocks, out.data());
   }
@@ -224,7 +225,8 @@ class RoutingReplay {
   void import_blocks(std::span<const std::int64_t> blocks, std::span<const Index> rows)
     requires(store_type::slot_indexed)
   {
-    check_block_transfer("import_blocks", blocks, rows.size());
+    [[maybe_unused]] const auto inside = threads_.enter("import_blocks");
+    filer_.check_block_transfer("import_blocks", blocks, rows.size(), planner_.is_open());
     drain();  // rows still on their way to these blocks belong to their previous generation
     filer_.store().import_blocks(blocks, rows.data());
   }
@@ -236,6 +238,7 @@ class RoutingReplay {
   void copy_blocks(std::span<const std::int64_t> source, std::span<const std::int64_t> destination)
     requires(store_type::slot_indexed)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("copy_blocks");
     filer_.check_block_copy(source, destination);
     std::vector<Index> rows(source.size() * static_cast<std::size_t>(filer_.store().block_elems()));
     export_blocks(source, rows);
@@ -247,6 +250,7 @@ class RoutingReplay {
   /// @throws error unknown_request, invalid_state if the open step schedules it (use abort)
   void release(request_key id)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("release");
     const std::uint32_t h = requests_.find(id);
     if (planner_.schedules(requests_[h])) {
       throw error{errc::invalid_state, "request " + id.to_string() +
@@ -259,7 +263,11 @@ class RoutingReplay {
   /// the open step and those still in flight; block-slot storage keeps the rows of every step that
   /// began at their slots, for other requests' prefix hits.
   /// @throws error unknown_request
-  void abort(request_key id) { filer_.close(requests_.find(id), requests_); }
+  void abort(request_key id)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("abort");
+    filer_.close(requests_.find(id), requests_);
+  }
   /// @}
 
   /// @name Steps
@@ -271,6 +279,7 @@ class RoutingReplay {
   /// position_out_of_range, slot_out_of_range, invalid_plan, host_memory_exhausted
   void begin_step(const step_plan& plan, stream_ref compute)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("begin_step");
     planner_.validate(plan, requests_, filer_);
     buffer_.begin_step(plan.num_rows(), compute);
     planner_.open(plan, requests_, filer_);  // commits: nothing past validate() throws a library error
@@ -285,22 +294,27 @@ class RoutingReplay {
   /// otherwise; the message names it, and it is discarded as a whole); backend_error
   void end_step(stream_ref compute)
   {
-    auto sink    = filing();
+    [[maybe_unused]] const auto inside = threads_.enter("end_step");
     auto harvest = [this](const step_record<Index>& closed, Index* snapshot, detail::step_status* status,
                           stream_ref s) { buffer_.end_step(snapshot, status, closed.num_rows, closed.padded_rows, s); };
-    pipeline_.push(planner_.close(), harvest, compute, sink);
+    pipeline_.push(planner_.close(), harvest, compute, filing());
   }
 
   /// @brief Files every step still in flight, waiting for their copies.
   /// @throws error as end_step() for a device-reported problem in one of them (the steps after it
   /// stay in flight: call drain() again); backend_error
-  void drain() { drain_through(~std::uint64_t{0}); }
+  void drain()
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("drain");
+    pipeline_.drain(filing());
+  }
 
   /// @brief Resets every row capture paths were handed to the sentinel, on `stream`. Needed only
   /// when an engine replays a recorded forward outside any step (a warm-up graph replay); capture
   /// calls made outside a step are reset automatically at the next begin_step().
   void reset_device_buffer(stream_ref stream)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("reset_device_buffer");
     if (planner_.is_open()) {
       throw error{errc::invalid_state, "reset_device_buffer inside an open step would erase it"};
     }
@@ -321,6 +335,7 @@ class RoutingReplay {
                stream_ref stream,
                const capture_options& options = {})
   {
+    [[maybe_unused]] const auto inside = threads_.enter("capture");
     buffer_.capture(model_layer, topk_ids, num_tokens, stream, options);
   }
 
@@ -330,13 +345,18 @@ class RoutingReplay {
   /// @throws error unknown_layer, too_many_tokens
   [[nodiscard]] layer_view_type layer_view(std::int32_t model_layer, std::int64_t num_rows)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("layer_view");
     return buffer_.layer_view(model_layer, num_rows);
   }
 
   /// @brief (c) A trivially copyable device reference whose record() an engine's own top-k kernel
   /// calls inline: zero extra launches. `num_rows` bounds the rows it may write.
   /// @throws error too_many_tokens
-  [[nodiscard]] ref_type ref(std::int64_t num_rows) { return buffer_.ref(num_rows); }
+  [[nodiscard]] ref_type ref(std::int64_t num_rows)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("ref");
+    return buffer_.ref(num_rows);
+  }
   /// @}
 
  private:
@@ -355,37 +375,23 @@ class RoutingReplay {
   {
   }
 
-  // Files every step up to serial `last` in flight, and no later one.
-  void drain_through(std::uint64_t last)
-  {
-    auto sink = filing();
-    pipeline_.drain(sink, last);
-  }
-
   // The rows an extraction returns: the request's handle and positions [begin, end).
   struct row_selection { std::uint32_t handle; std::int64_t begin, end; };
-  [[nodiscard]] row_selection select_rows(request_key id, const extract_options& options)
+  row_selection select_rows(request_key id, const extract_options& options)
   {
     const std::uint32_t h   = requests_.find(id);
-    drain_through(requests_[h].reads_step);  // what the request's rows may still wait for
+    pipeline_.drain(filing(), requests_[h].reads_step);  // what the request's rows may wait for
     const auto [begin, end] = reader_.extraction_range(id, h, options, requests_, planner_.open_step());
     return {h, begin, end};
   }
 
-  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems) const
-  {
-    if (planner_.is_open()) {
-      throw error{errc::invalid_state, std::string{what} + " while a step is open; end the step first"};
-    }
-    filer_.check_block_transfer(what, blocks, elems);
-  }
-
   replay_config config_;
+  detail::thread_check threads_;  // debug builds: one thread at a time inside
   buffer_type buffer_;          // D and the capture paths
   request_registry requests_;   // live requests
   filer_type filer_;            // host storage (with device scatter, what the pipeline writes)
   reader_type reader_;          // reads rows back
-  planner_type planner_;        // the open step
+  step_planner<Index> planner_;  // the open step
   // Last: destroyed first, it waits for every copy in flight while what they write (stagings, the
   // storage of a device scatter) and the stream they run on still exist.
   pipeline_type pipeline_;

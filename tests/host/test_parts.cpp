@@ -14,8 +14,10 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -364,4 +366,63 @@ TEST_CASE("row_filer: first write wins, rows of a released request in flight are
   CHECK(code_of([&] { p.filer.file(second, dirty, later.data(), p.requests); }) == rr::errc::missing_routing);
   p.filer.close(h, p.requests);
   CHECK(p.requests.size() == 0);
+}
+
+TEST_CASE("row_arena: buddy blocks split, merge and come back at the same arena address")
+{
+  rr::detail::row_arena<rr::detail::host_written_rows> arena{4096, 2};  // blocks of 4, 8, 16 KiB
+  const auto a = arena.allocate(0);
+  const auto b = arena.allocate(0);
+  const auto c = arena.allocate(1);
+  CHECK(a.offset == 0);
+  CHECK(b.offset == 4096);  // a's buddy
+  CHECK(c.offset == 8192);  // the other half of the superblock
+  CHECK(arena.bytes_in_use() == 16384);
+  std::memset(arena.address(c.offset), 7, 8192);  // the arena address is writable memory
+  arena.release(a);
+  arena.release(b);  // merges with a into an 8 KiB block
+  CHECK(arena.bytes_in_use() == 8192);
+  const auto d = arena.allocate(1);
+  CHECK(d.offset == 0);
+  const auto e = arena.allocate(2);  // no 16 KiB block left: a new superblock
+  CHECK(e.offset == 16384);
+  CHECK(arena.address(e.offset) != nullptr);
+  arena.release(c);
+  arena.release(d);
+  arena.release(e);
+  CHECK(arena.bytes_in_use() == 0);
+}
+
+TEST_CASE("per-request rows: a view stays valid as the request grows; a closed request's segments wait for its steps")
+{
+  using store_type = rr::per_request_storage::store<index_t>;
+  rr::replay_config config = parts_config();
+  config.max_model_len     = 4096;  // rows of 8 bytes: segments of 4 KiB (512 rows) up to 32 KiB
+  store_type store{config, 4};
+  store.open(0);
+  store.reserve(0, 8, false);
+  auto* row = const_cast<index_t*>(store.contiguous(0, 0, 1));  // unclaimed rows read as sentinel
+  REQUIRE(row != nullptr);
+  CHECK(row[0] == -1);
+  auto claim = store.claim(0, 0, -1, 0, 1, false);
+  std::fill_n(claim.dst, 4, index_t{5});
+  store.set_filed_through(1);
+  const index_t* view = store.contiguous(0, 0, 1);
+  store.reserve(0, 3000, false);  // grows by segments: nothing moves
+  CHECK(store.contiguous(0, 0, 1) == view);
+  CHECK(view[3] == 5);
+  claim = store.claim(0, 2999, -1, 0, 2, false);  // a position in a later segment
+  REQUIRE(claim.dst != nullptr);
+  std::int64_t pieces = 0;
+  store.device_pieces(0, claim.dst, 4, [&](index_t* dst, std::int64_t elems) {
+    pieces += elems;
+    std::fill_n(dst, elems, index_t{9});  // written at the arena address, as a kernel would
+  });
+  CHECK(pieces == 4);
+  CHECK(claim.dst[0] == 9);  // ... and seen at the request's address
+  const auto bytes = store.bytes_in_use();
+  store.close(0);  // step 2 claimed rows of it and is not filed: its segments wait
+  CHECK(store.bytes_in_use() == bytes);
+  store.set_filed_through(2);
+  CHECK(store.bytes_in_use() == 0);
 }

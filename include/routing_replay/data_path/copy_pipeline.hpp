@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 namespace routing_replay {
@@ -82,8 +83,9 @@ class copy_pipeline {
   /// A full ring first retires its oldest step, waiting for its copy.
   /// @throws whatever `sink.file` throws for a step filed here (the first one; later ones stay in
   /// flight); error backend_error if enqueueing fails (the step is discarded)
-  template <class Harvest, step_sink<slot_type> Sink>
-  void push(step_record<Index>& step, Harvest&& harvest, stream_ref compute, Sink& sink)
+  template <class Harvest, class Sink>
+    requires step_sink<std::remove_cvref_t<Sink>, slot_type>
+  void push(step_record<Index>& step, Harvest&& harvest, stream_ref compute, Sink&& sink)
   {
     std::exception_ptr earlier_step_error;
     if (ring_.full()) { retire_oldest_keeping(sink, earlier_step_error); }
@@ -116,8 +118,9 @@ class copy_pipeline {
   /// @brief Files every step up to serial `last` (every step by default), oldest first, waiting
   /// for their copies, and no later one.
   /// @throws whatever `sink.file` throws (the steps after that one stay in flight); backend_error
-  template <step_sink<slot_type> Sink>
-  void drain(Sink& sink, std::uint64_t last = ~std::uint64_t{0})
+  template <class Sink>
+    requires step_sink<std::remove_cvref_t<Sink>, slot_type>
+  void drain(Sink&& sink, std::uint64_t last = ~std::uint64_t{0})
   {
     while (ring_.size() > 0 && ring_.oldest().step.serial <= last) { retire_oldest(sink); }
   }

@@ -294,11 +294,15 @@ class row_filer {
 
   // --- block transfers (slot-indexed stores) -----------------------------------------------------
 
-  /// @brief Checks a block list and the ids a transfer of it needs; `what` names the call.
-  /// @throws error slot_out_of_range, invalid_argument
-  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems) const
+  /// @brief Checks a block transfer: no step open (`step_open`), blocks in the pool, and room for
+  /// their ids (`elems`); `what` names the call.
+  /// @throws error invalid_state, slot_out_of_range, invalid_argument
+  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems, bool step_open) const
     requires(Store::slot_indexed)
   {
+    if (step_open) {
+      throw error{errc::invalid_state, std::string{what} + " while a step is open; end the step first"};
+    }
     store_.check_blocks(blocks, (std::string{what} + ":").c_str());
     const auto need = blocks.size() * static_cast<std::size_t>(store_.block_elems());
     if (elems < need) {
