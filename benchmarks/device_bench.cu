@@ -2,9 +2,10 @@
 // swapped at a time, next to the physical limits of DESIGN.md section 5 measured the same way.
 // Without a usable CUDA device nothing is registered: the program says so and exits 0.
 //
-//   capture/<index>/<layout>/rows:N   capture() of every layer from int64 router output, recorded
-//                                     once in a CUDA graph and replayed: device time per layer
-//                                     (manual time = one layer), bytes read + written per second
+//   capture/<index>/<layout>/rows:N/overlap:0|1   capture() of every layer from int64 router
+//                                     output, recorded once in a CUDA graph and replayed: device time
+//                                     per layer (manual time = one layer), bytes read + written per
+//                                     second; overlap:1 with dependent (overlapping) launches
 //   step/<policy>/rows:N              a whole step (begin_step, one kernel recording every layer
 //                                     through ref(), end_step, stream synchronize), real time;
 //                                     bytes moved per second and of_pinned_peak: that rate over the
@@ -180,6 +181,7 @@ struct fill_ids {
 template <class Index, class Layout>
 void capture_layers(benchmark::State& state)
 {
+  rr::cuda_backend::dependent_launches = state.range(1) != 0;
   guarded(state, [&] {
     using replay_type = rr::RoutingReplay<rr::cuda_backend, Index, Layout>;
     const auto rows   = static_cast<std::int32_t>(state.range(0));
@@ -480,7 +482,9 @@ void register_all()
       using L = typename decltype(l)::type;
       const std::string name = "capture/" + std::string{name_of<I>()} + "/" + std::string{name_of<L>()};
       benchmark::RegisterBenchmark(name.c_str(), capture_layers<I, L>)
-        ->ArgName("rows")->Arg(1)->Arg(64)->Arg(1024)->Arg(8192)->UseManualTime();
+        ->ArgNames({"rows", "overlap"})
+        ->ArgsProduct({{1, 64, 1024, 8192}, {0, 1}})
+        ->UseManualTime();
       const std::string eos = "end_of_step/" + std::string{name_of<I>()} + "/" + std::string{name_of<L>()};
       benchmark::RegisterBenchmark(eos.c_str(), end_of_step<I, L>)
         ->ArgName("rows")->Arg(1024)->Arg(8192)->UseManualTime();

@@ -28,8 +28,10 @@ struct probe_block_kernel {
 /// Kernels are functors: `bulk_async(n, op)` calls `op(i)` for i in [0, n) (one thread each);
 /// `launch_async(blocks, threads, op)` calls `op(block, thread)` for every pair, for kernels whose
 /// threads share a unit of work by block, then, if `op` has one, `op.block_done(block)` once per
-/// block after all its threads (the hook for a last block that finishes the step). Kernels may not
-/// assume that blocks run concurrently or in any order.
+/// block after all its threads (the hook for a last block that finishes the step);
+/// `launch_dependent_async` does the same for a kernel that only reads what the kernel before it
+/// wrote, letting the device overlap the two launches. Kernels may not assume that blocks run
+/// concurrently or in any order.
 ///
 /// Two backends ship: cuda_backend (routing_replay/cuda_backend.cuh, needs nvcc) and host_backend
 /// (routing_replay/host_backend.hpp, plain C++20).
@@ -47,6 +49,7 @@ concept backend = requires(typename B::stream_ref stream,
   { B::data(pinned) } -> std::same_as<int*>;
   B::bulk_async(std::int64_t{1}, detail::probe_kernel{}, stream);
   B::launch_async(std::int32_t{1}, std::int32_t{32}, detail::probe_block_kernel{}, stream);
+  B::launch_dependent_async(std::int32_t{1}, std::int32_t{32}, detail::probe_block_kernel{}, stream);
   B::register_host(dst, bytes);
   B::unregister_host(dst);
   B::copy_async(dst, src, bytes, stream);

@@ -46,6 +46,17 @@ __global__ void block_kernel(Op op)
   }
 }
 
+/// @brief As block_kernel, launched as a programmatic dependent of the kernel before it on the
+/// stream: its blocks may be scheduled while that kernel finishes, and wait here for its results.
+template <class Op>
+__global__ void dependent_block_kernel(Op op)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+  op(static_cast<std::int32_t>(blockIdx.x), static_cast<std::int32_t>(threadIdx.x));
+}
+
 }  // namespace detail
 
 /// @brief An owning, non-blocking CUDA stream (move-only).
@@ -198,6 +209,36 @@ struct cuda_backend {
     if (num_blocks <= 0 || block_threads <= 0) { return; }
     detail::block_kernel<<<static_cast<unsigned>(num_blocks), static_cast<unsigned>(block_threads), 0, stream.get()>>>(op);
     detail::check_cuda(cudaGetLastError(), "kernel launch");
+  }
+
+  /// @brief Whether launch_dependent_async overlaps launches (set false to launch plainly, e.g. next
+  /// to kernels that trigger their dependents before their last writes).
+  static inline bool dependent_launches = true;
+
+  /// @brief As launch_async, for a kernel that only reads what the kernel before it on the stream
+  /// wrote (capture() after the router): launched with programmatic stream serialization, so on
+  /// Hopper and later its launch overlaps the end of that kernel (also inside CUDA graphs). Falls
+  /// back to a plain launch where the driver refuses the attribute.
+  template <class Op>
+  static void launch_dependent_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    if (num_blocks <= 0 || block_threads <= 0) { return; }
+    static bool refused = false;  // the same answer for every launch in this process
+    if (dependent_launches && !refused) {
+      cudaLaunchAttribute attribute{};
+      attribute.id                                         = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim  = dim3(static_cast<unsigned>(num_blocks));
+      config.blockDim = dim3(static_cast<unsigned>(block_threads));
+      config.stream   = stream.get();
+      config.attrs    = &attribute;
+      config.numAttrs = 1;
+      if (cudaLaunchKernelEx(&config, detail::dependent_block_kernel<Op>, op) == cudaSuccess) { return; }
+      (void)cudaGetLastError();  // clear the refusal: a plain launch follows
+      refused = true;
+    }
+    launch_async(num_blocks, block_threads, op, stream);
   }
 
   /// @brief Pins `bytes` of host memory at `p` and maps it for kernels, which then write it

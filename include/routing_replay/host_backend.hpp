@@ -165,6 +165,13 @@ struct host_backend {
     });
   }
 
+  /// @brief As launch_async: stream order already makes the kernel wait for the one before it.
+  template <class Op>
+  static void launch_dependent_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    launch_async(num_blocks, block_threads, op, stream);
+  }
+
   /// @brief Nothing to do: "kernels" already reach host memory.
   static void register_host(void*, std::size_t) noexcept {}
   /// @brief Nothing to do.

@@ -106,7 +106,8 @@ class capture_buffer {
     if (num_tokens == 0) { return; }
     note_rows_written(num_tokens);
     const auto items = static_cast<std::int32_t>(num_tokens * top_k_);
-    Backend::launch_async(detail::blocks_for(items),
+    // a dependent launch: the router output it reads is the previous kernel's
+    Backend::launch_dependent_async(detail::blocks_for(items),
                           detail::kernel_block_threads,
                           detail::capture_layer<Index, Layout, Source>{whole(),
                                                                        Backend::data(capture_status_),

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -104,8 +105,9 @@ class row_reader {
         return {rows, end - begin, layers_.num_layers(), top_k_, begin, prompt_length};
       }
     }
-    std::vector<Index> copy(static_cast<std::size_t>((end - begin) * output_row_elems(options)));
-    copy_rows(store, h, begin, end, options, copy.data());
+    // every id is written below: no zero-fill first
+    auto copy = std::make_unique_for_overwrite<Index[]>(static_cast<std::size_t>((end - begin) * output_row_elems(options)));
+    copy_rows(store, h, begin, end, options, copy.get());
     const std::int64_t layers = options.include_dense_layers ? layers_.num_model_layers() : layers_.num_layers();
     return {std::move(copy), end - begin, layers, top_k_, begin, prompt_length};
   }

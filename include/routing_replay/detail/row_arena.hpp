@@ -31,8 +31,10 @@ namespace routing_replay::detail {
 
 /// @brief Blocks of `base << order` bytes (order in [0, max_order]) from a buddy allocator over a
 /// memfd that grows by superblocks of `base << max_order` bytes. Superblocks are mapped once, at
-/// addresses that never change, and registered through `RowMemory` when kernels write them; freed
-/// blocks of memory only the host writes are returned to the system.
+/// addresses that never change, and registered through `RowMemory` when kernels write them. Freed
+/// blocks keep their pages: the next request that takes them maps pages already there, instead of
+/// faulting fresh ones in as it is filled (a page fault of shared memory costs about as much as
+/// filing the page's rows).
 template <class RowMemory>
 class row_arena {
  public:
@@ -116,14 +118,10 @@ class row_arena {
   }
 
   /// @brief Returns a block (no mapping of it may remain but the arena's own); it merges with its
-  /// free buddies. Memory only the host writes goes back to the system.
+  /// free buddies.
   void release(block b) noexcept
   {
     in_use_ -= block_bytes(b.order);
-    if constexpr (!RowMemory::device_writable) {
-      (void)::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(b.offset),
-                        static_cast<off_t>(block_bytes(b.order)));
-    }
     while (b.order < max_order_) {
       // buddies differ in one bit of the offset counted in units of base (base need not be a
       // power of two; superblocks start at multiples of their size, so a buddy never leaves one)
