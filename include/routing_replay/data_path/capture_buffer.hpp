@@ -177,12 +177,20 @@ class capture_buffer {
     if (reset_rows <= 0) { return; }
     // cells of K ids move as the widest word that divides them
     const std::size_t cell_bytes = static_cast<std::size_t>(top_k_) * sizeof(Index);
-    if (cell_bytes % sizeof(detail::word16) == 0) {
-      harvest<detail::word16>(snapshot, status, num_rows, reset_rows, compute);
-    } else if (cell_bytes % sizeof(std::uint64_t) == 0) {
-      harvest<std::uint64_t>(snapshot, status, num_rows, reset_rows, compute);
-    } else {
-      harvest<Index>(snapshot, status, num_rows, reset_rows, compute);
+    try {
+      if (cell_bytes % sizeof(detail::word16) == 0) {
+        harvest<detail::word16>(snapshot, status, num_rows, reset_rows, compute);
+      } else if (cell_bytes % sizeof(std::uint64_t) == 0) {
+        harvest<std::uint64_t>(snapshot, status, num_rows, reset_rows, compute);
+      } else {
+        harvest<Index>(snapshot, status, num_rows, reset_rows, compute);
+      }
+    } catch (...) {
+      // the kernel never ran: D and what capture paths reported still hold this step's, so the
+      // next step resets them first, as it does for rows written outside a step
+      rows_outside_steps_  = std::max(rows_outside_steps_, reset_rows);
+      dirty_outside_steps_ = true;
+      throw;
     }
   }
 

@@ -59,6 +59,10 @@ class step_planner {
       throw error{errc::too_many_tokens, "step plan has " + std::to_string(plan.num_rows()) +
                                            " tokens, more than max_tokens_per_step " + std::to_string(max_rows_)};
     }
+    if (plan.padded_rows() > max_rows_) {  // the end of the step resets them: they must lie in D
+      throw error{errc::too_many_tokens, "step plan declares " + std::to_string(plan.padded_rows()) +
+                                           " padded rows, more than max_tokens_per_step " + std::to_string(max_rows_)};
+    }
     auto& store = filer.store();
     ++attempt_;
     store.begin_validation();
