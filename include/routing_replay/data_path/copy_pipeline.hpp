@@ -92,6 +92,11 @@ class copy_pipeline {
     slot_type& slot = ring_.next();
     std::swap(slot.step, step);
     try {
+      if (slot.status_dirty) {  // a failed step left its reports here
+        constexpr std::size_t status_bytes = sizeof(detail::step_status);
+        Backend::fill_2d_async(Backend::data(slot.device_status), status_bytes, 0, status_bytes, 1, compute);
+        slot.status_dirty = false;
+      }
       harvest(std::as_const(slot.step), Backend::data(slot.snapshot), Backend::data(slot.device_status), compute);
       if constexpr (Copy::uses_side_stream) {
         Backend::record(slot.snapshot_taken, compute);
@@ -100,7 +105,11 @@ class copy_pipeline {
         enqueue_copy(slot, compute);
       }
     } catch (...) {
-      sink.discard(slot.step);  // the backend failed: the step's rows never arrive
+      // the backend failed: the step's rows never arrive. What was enqueued for it before the
+      // failure finishes before the slot is reused or freed, and its status is zeroed then.
+      quiesce(compute);
+      slot.status_dirty = true;
+      sink.discard(slot.step);
       throw;
     }
     ring_.push();
@@ -126,6 +135,22 @@ class copy_pipeline {
   }
 
  private:
+  // Waits for everything enqueued on the streams a step uses; their failures are the caller's to
+  // report, so they are not reported again here.
+  void quiesce(stream_ref compute) noexcept
+  {
+    try {
+      Backend::synchronize(compute);
+    } catch (...) {
+    }
+    if constexpr (Copy::uses_side_stream) {
+      try {
+        Backend::synchronize(*copy_stream_);
+      } catch (...) {
+      }
+    }
+  }
+
   // On the copy stream, after the snapshot: the rows to the pinned staging (or, with device
   // scatter, the planned rows straight to their places), then the step's status; the status is
   // zeroed for the slot's next step.

@@ -46,6 +46,7 @@ struct ring_slot {
   typename Backend::template device_vector<unsigned int> blocks_done;  ///< the scatter's last block
   typename Backend::event snapshot_taken;  ///< compute stream: D is snapshotted and reset
   typename Backend::event copied;          ///< copy stream: rows and status have arrived
+  bool status_dirty = false;               ///< a step failed here: zero the status before reuse
   routing_replay::step_record<Index> step;                 ///< the step this slot holds
 };
 
