@@ -26,13 +26,13 @@ def main(path):
     for line in open(path):
         r = json.loads(line)
         r["added_fwd_us"] = added_fwd(r)
-        key = (r["policy"], r["scenario"], r["mode"])
+        key = (r["policy"], r["scenario"], r["mode"], r.get("capture_path", "capture"))
         if r["build"] not in builds:
             builds.append(r["build"])
         runs[key][r["build"]].append(r)
     cols = [f"{f} {b}" for f in FIELDS for b in builds]
-    print("| policy | scenario | mode | " + " | ".join(cols) + " | correct |")
-    print("|" + "---|" * (4 + len(cols)))
+    print("| policy | scenario | mode | capture path | " + " | ".join(cols) + " | correct |")
+    print("|" + "---|" * (5 + len(cols)))
     for key in sorted(runs):
         cells = []
         for f in FIELDS:
@@ -44,7 +44,7 @@ def main(path):
                 spread = max(values) - min(values)
                 cells.append(f"{statistics.median(values):.1f} (±{spread / 2:.1f})")
         correct = all(x["correct"] for b in builds for x in runs[key][b])
-        print(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + f" | {correct} |")
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + f" | {correct} |")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ options (LIST: comma-separated names, or all):
   --index LIST          int16 | uint8 | int32 (default: int16)
   --layout LIST         layer_major | token_major (default: layer_major)
   --copy LIST           copy strategies (default: sync); all sweeps every strategy built in
-                        (device_scatter runs with block_slot storage only: other pairings
-                        are skipped)
   --storage LIST        per_request | block_slot (default: per_request)
   --layers N            L, MoE layers (default: 48)
   --topk N              K (default: 8)
@@ -48,6 +46,9 @@ options (LIST: comma-separated names, or all):
   --max-model-len N     positions per request (default: 4096)
   --decode-steps N      measured decode steps (default: 64)
   --hidden N            adds a bf16 GEMM [n, N] x [N, N] per layer (cuda only; default: none)
+  --capture-path NAME   capture | record: capture() after each router (one kernel per layer), or
+                        the router kernel recording through the device reference (no extra
+                        launch) (default: capture)
   --sync-forward        synchronize the forward before end_step(), so that host_us is the
                         library's host path alone (without it, sync_copy waits for the forward)
   --help                print this text
@@ -87,6 +88,11 @@ command_line parse(std::span<char* const> args)
       c.help = true;
     } else if (flag == "--sync-forward") {
       o.sync_forward = true;
+    } else if (flag == "--capture-path") {
+      o.capture_path = std::string{arg.value()};
+      if (o.capture_path != "capture" && o.capture_path != "record") {
+        throw usage_error{"--capture-path: expected capture | record, got '" + o.capture_path + "'"};
+      }
     } else if (flag == "--backend") {
       c.backend = std::string{arg.value()};
       if (c.backend != "host" && c.backend != "cuda") {

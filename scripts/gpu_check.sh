@@ -19,6 +19,12 @@ note() { summary+=("$1"); }
 # build is reused.
 PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
+bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
+  python3 -c 'import json, sys
+d = json.load(sys.stdin)
+print(json.dumps({"program": sys.argv[1], "context": d.get("context", {})}))
+for b in d.get("benchmarks", []): print(json.dumps(dict(program=sys.argv[1], **b)))' "$1"
+}
 
 prefix_args=()
 if [ -d .deps/usr ]; then
@@ -72,12 +78,6 @@ fi
 # and graph, every copy strategy and storage -> $OUT/engine_loop.jsonl (and with --hidden 4096 ->
 # $OUT/engine_loop_hidden.jsonl); the microbenchmarks
 # (device_bench, host_path_bench), one JSON line per benchmark -> $OUT/microbench.jsonl.
-bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
-  python3 -c 'import json, sys
-d = json.load(sys.stdin)
-print(json.dumps({"program": sys.argv[1], "context": d.get("context", {})}))
-for b in d.get("benchmarks", []): print(json.dumps(dict(program=sys.argv[1], **b)))' "$1"
-}
 if want bench && [ -x build/gpu/benchmarks/engine_loop ]; then
   start=$(date +%s)
   if err=$(build/gpu/benchmarks/engine_loop --backend cuda --mode both --copy all --storage all \
@@ -116,23 +116,38 @@ if want micro && [ -x build/gpu/benchmarks/device_bench ]; then
 fi
 
 # Before/after in one session (scripts/stage_baseline.sh REV staged .baseline/): the baseline's
-# engine-loop benchmark and this tree's, run alternately, twice each, on the scenarios that matter
-# for the host path; benchmarks/compare_runs.py prints medians and spreads -> $OUT/compare.md.
+# benchmarks and this tree's, run alternately on one machine -> $OUT/compare.jsonl, compare.md:
+# - the engine loop (graph mode, decode B256/B1024, prefill 8k, every copy strategy and storage),
+#   twice each, so a difference can be told from the spread;
+# - the same with --hidden 4096 (realistic step lengths), once each, and this tree's with the
+#   router recording through the device reference (--capture-path record) too;
+# - capture() per layer inside a CUDA graph (device_bench), both builds.
 if want compare && [ -d .baseline ] && [ -x build/gpu/benchmarks/engine_loop ]; then
   base_rev=$(cat .baseline/REVISION 2>/dev/null || echo baseline)
   if cmake -S .baseline -B build/baseline -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" \
        -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF >>"$OUT/build.log" 2>&1 &&
-     cmake --build build/baseline -j "$(build_jobs)" --target engine_loop_bench >>"$OUT/build.log" 2>&1; then
+     cmake --build build/baseline -j "$(build_jobs)" --target engine_loop_bench device_bench >>"$OUT/build.log" 2>&1; then
     tag() { python3 -c 'import json, sys
 for line in sys.stdin: r = json.loads(line); r.update(build=sys.argv[1], round=int(sys.argv[2])); print(json.dumps(r))' "$@"; }
+    before="before:$base_rev"
     : >"$OUT/compare.jsonl"
     compare_args=(--backend cuda --mode graph --copy all --storage all --scenarios decode_B256,decode_B1024,prefill_8k)
     for round in 1 2; do
-      build/baseline/benchmarks/engine_loop "${compare_args[@]}" 2>/dev/null | tag "before:$base_rev" $round >>"$OUT/compare.jsonl"
+      build/baseline/benchmarks/engine_loop "${compare_args[@]}" 2>/dev/null | tag "$before" $round >>"$OUT/compare.jsonl"
       build/gpu/benchmarks/engine_loop "${compare_args[@]}" 2>/dev/null | tag after $round >>"$OUT/compare.jsonl"
     done
     python3 benchmarks/compare_runs.py "$OUT/compare.jsonl" >"$OUT/compare.md"
-    note "before ($base_rev) / after: $(wc -l <"$OUT/compare.jsonl") runs -> $OUT/compare.md"
+    : >"$OUT/compare_hidden.jsonl"
+    build/baseline/benchmarks/engine_loop "${compare_args[@]}" --hidden 4096 2>/dev/null | tag "$before" 1 >>"$OUT/compare_hidden.jsonl"
+    build/gpu/benchmarks/engine_loop "${compare_args[@]}" --hidden 4096 2>/dev/null | tag after 1 >>"$OUT/compare_hidden.jsonl"
+    build/gpu/benchmarks/engine_loop "${compare_args[@]}" --hidden 4096 --capture-path record 2>/dev/null |
+      tag after 1 >>"$OUT/compare_hidden.jsonl"
+    python3 benchmarks/compare_runs.py "$OUT/compare_hidden.jsonl" >>"$OUT/compare.md"
+    for build in baseline gpu; do
+      build/$build/benchmarks/device_bench --benchmark_filter='capture/int16/layer_major' --benchmark_min_time=0.05 \
+        --benchmark_format=json 2>/dev/null | bench_lines "device_bench:$build" >>"$OUT/compare_capture.jsonl"
+    done
+    note "before ($base_rev) / after: $(cat "$OUT"/compare*.jsonl | wc -l) results -> $OUT/compare.md"
     mapfile -t lines <"$OUT/compare.md"
     summary+=("${lines[@]}")
   else

@@ -150,6 +150,33 @@ struct host_backend {
     });
   }
 
+  /// @brief Enqueues `op(block, thread)` for every block in [0, num_blocks) and thread in
+  /// [0, block_threads), blocks one after the other, each followed by `op.block_done(block)` if
+  /// `op` has it: the host analogue of a kernel launch whose threads share work by block.
+  template <class Op>
+  static void launch_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    if (num_blocks <= 0 || block_threads <= 0) { return; }
+    stream.queue().enqueue([=] {
+      for (std::int32_t b = 0; b < num_blocks; ++b) {
+        for (std::int32_t t = 0; t < block_threads; ++t) { op(b, t); }
+        if constexpr (requires { op.block_done(b); }) { op.block_done(b); }
+      }
+    });
+  }
+
+  /// @brief As launch_async: stream order already makes the kernel wait for the one before it.
+  template <class Op>
+  static void launch_dependent_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    launch_async(num_blocks, block_threads, op, stream);
+  }
+
+  /// @brief Nothing to do: "kernels" already reach host memory.
+  static void register_host(void*, std::size_t) noexcept {}
+  /// @brief Nothing to do.
+  static void unregister_host(void*) noexcept {}
+
   /// @brief Marks the work enqueued on `stream` so far.
   static void record(event& e, stream_ref stream)
   {

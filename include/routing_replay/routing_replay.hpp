@@ -2,8 +2,8 @@
 /// RoutingReplay: the owning object an engine instantiates from policies to capture, move, file
 /// and return routed experts. Plain C++20; include routing_replay/routing_replay.cuh for CUDA.
 ///
-/// It composes the five parts of the data path, each in its own header under data_path/; one row
-/// goes through them in this order:
+/// It composes the parts of the data path, each in its own header under data_path/; one row goes
+/// through them in this order:
 /// 1. request_registry (request_registry.hpp): requests that asked for their routing;
 /// 2. step_planner (step_planner.hpp): an engine's step_plan → the step's record (rows, positions,
 ///    slots, drafts, claims);
@@ -11,9 +11,10 @@
 ///    layer_view() and ref() during the forward; the end-of-step kernel checks, snapshots, resets;
 /// 4. copy_pipeline (copy_pipeline.hpp): the snapshot leaves the device through a ring of slots,
 ///    as the copy strategy says;
-/// 5. row_filer (row_filer.hpp): rows are filed into host storage, drafts resolved, requests read.
+/// 5. row_filer (row_filer.hpp): rows are filed into host storage, drafts resolved;
+/// 6. row_reader (row_reader.hpp): a request's rows come back out, a view or a copy.
 ///
-/// Parts 1, 2 and 5 and the request calls form host_side (host_side.hpp), which RoutingReplay
+/// Parts 1, 2, 5 and 6 and the request calls form host_side (host_side.hpp), which RoutingReplay
 /// derives from; RoutingReplay adds the device side (parts 3 and 4) and the step calls.
 #pragma once
 
@@ -40,13 +41,6 @@
 
 namespace routing_replay {
 
-/// @brief The type of host store a RoutingReplay files into: a kernel writes the rows of a device
-/// scatter, so they live in pinned memory it can reach.
-template <class Backend, class Index, class Copy, class Storage>
-using replay_store_t = typename Storage::template store<
-  Index, std::conditional_t<Copy::site == scatter_site::device, typename Backend::template pinned_vector<Index>,
-                            std::vector<Index>>>;
-
 /// @brief Captures, per token and per MoE layer, the top-k experts a router chose; moves them off
 /// the device; files them per request; hands them back when the request finishes. Policies: see
 /// backend.hpp, index_type.hpp, buffer_layout.hpp, copy_strategy.hpp and host_storage.hpp.
@@ -65,18 +59,13 @@ template <backend Backend,
           host_storage Storage = per_request_storage>
 class RoutingReplay
   : public host_side<RoutingReplay<Backend, Index, Layout, Copy, Storage>, Index,
-                     replay_store_t<Backend, Index, Copy, Storage>, Copy::site>,
+                     host_store<Storage, Backend, Index, Copy::site == scatter_site::device>, Copy::site>,
     public capture_paths<RoutingReplay<Backend, Index, Layout, Copy, Storage>, Backend, Index, Layout> {
-  static_assert(Copy::site == scatter_site::host || Storage::stable_row_addresses,
-                "device_scatter has a kernel write rows straight into host storage while the host "
-                "plans later steps, so row addresses must never move; per_request_storage grows "
-                "each request's array by reallocation. Use block_slot_storage with device_scatter, "
-                "or a host-scatter strategy (sync_copy, async_event, double_buffered) with "
-                "per_request_storage.");
-  using base          = host_side<RoutingReplay, Index, replay_store_t<Backend, Index, Copy, Storage>, Copy::site>;
+  using store_type    = host_store<Storage, Backend, Index, Copy::site == scatter_site::device>;
+  using base          = host_side<RoutingReplay, Index, store_type, Copy::site>;
   using pipeline_type = copy_pipeline<Backend, Index, Copy>;
   friend base;                                                  // calls file_through()
-  friend capture_paths<RoutingReplay, Backend, Index, Layout>;  // calls capture_target()
+  friend capture_paths<RoutingReplay, Backend, Index, Layout>;  // calls capture_target(), enter()
 
  public:
   using backend_type    = Backend;                              ///< the backend policy
@@ -137,6 +126,7 @@ class RoutingReplay
   /// position_out_of_range, slot_out_of_range, invalid_plan, host_memory_exhausted
   void begin_step(const step_plan& plan, stream_ref compute)
   {
+    [[maybe_unused]] const auto inside = this->enter("begin_step");
     this->planner_.validate(plan, this->requests_, this->filer_);
     buffer_.begin_step(plan.num_rows(), compute);
     this->planner_.open(plan, this->requests_, this->filer_);  // commits: nothing past validate() throws a library error
@@ -165,22 +155,27 @@ class RoutingReplay
   template <class Harvest>
   void end_step(stream_ref compute, Harvest&& harvest)
   {
-    auto sink  = this->template filing<Backend>();
+    [[maybe_unused]] const auto inside = this->enter("end_step");
     auto enqueue = [&](const step_record<Index>& closed, Index* snapshot, detail::step_status* status,
                        stream_ref s) { harvest(buffer_, closed, snapshot, status, s); };
-    pipeline_.push(this->planner_.close(), enqueue, compute, sink);
+    pipeline_.push(this->planner_.close(), enqueue, compute, this->template filing<Backend>());
   }
 
   /// @brief Files every step still in flight, waiting for their copies.
   /// @throws error as end_step() for a device-reported problem in one of them (the steps after it
   /// stay in flight: call drain() again); backend_error
-  void drain() { file_through(~std::uint64_t{0}); }
+  void drain()
+  {
+    [[maybe_unused]] const auto inside = this->enter("drain");
+    file_through(~std::uint64_t{0});
+  }
 
   /// @brief Resets every row capture paths were handed to the sentinel, on `stream`. Needed only
   /// when an engine replays a recorded forward outside any step (a warm-up graph replay); capture
   /// calls made outside a step are reset automatically at the next begin_step().
   void reset_device_buffer(stream_ref stream)
   {
+    [[maybe_unused]] const auto inside = this->enter("reset_device_buffer");
     if (this->planner_.is_open()) {
       throw error{errc::invalid_state, "reset_device_buffer inside an open step would erase it"};
     }
@@ -201,11 +196,7 @@ class RoutingReplay
   [[nodiscard]] buffer_type& capture_target() noexcept { return buffer_; }
 
   // Files every step up to serial `last` in flight, and no later one.
-  void file_through(std::uint64_t last)
-  {
-    auto sink = this->template filing<Backend>();
-    pipeline_.drain(sink, last);
-  }
+  void file_through(std::uint64_t last) { pipeline_.drain(this->template filing<Backend>(), last); }
 
   buffer_type buffer_;  // D and the capture paths
   // Last: destroyed first (and before the host side), it waits for every copy in flight while what

@@ -30,13 +30,14 @@ struct capture_layer_span {
   capture_layer<Index, Layout, Source> inner;  ///< its source is the router output's row 0
   const row_span* span;                        ///< device memory, read when the kernel runs
 
-  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t block, std::int32_t thread) const noexcept
   {
     const std::int64_t first = span->first_row;
-    if (i / inner.top_k >= span->num_rows || first < 0) { return; }
+    const std::int64_t row   = (static_cast<std::int64_t>(block) * kernel_block_threads + thread) / inner.top_k;
+    if (row >= span->num_rows || first < 0) { return; }
     auto shifted = inner;
     shifted.source += first * inner.source_stride;
-    shifted(i);
+    shifted(block, thread);
   }
 };
 

@@ -7,14 +7,17 @@
 #include <routing_replay/data_path/copy_pipeline.hpp>
 #include <routing_replay/data_path/request_registry.hpp>
 #include <routing_replay/data_path/row_filer.hpp>
+#include <routing_replay/data_path/row_reader.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/host_storage.hpp>
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -41,6 +44,7 @@ struct planning {
   rr::layer_map layers{config};
   rr::request_registry requests;
   Filer filer{config, layers};
+  rr::row_reader<index_t, typename Filer::store_type, Filer::claims_when_planned> reader{config, layers};
   rr::step_planner<index_t> planner{config};
 
   std::uint32_t add(rr::request_key id)
@@ -146,21 +150,27 @@ TEST_CASE("step_planner: every rejection rule leaves nothing changed; an accepte
 
 TEST_CASE("step_planner: host memory limit, exact growth when doubling would cross it")
 {
+  // rows of 4 ids (8 bytes) in segments of one page (4 KiB, 512 rows) up to 16 pages
   planning<per_request_filer> p;
-  p.config.host_memory_limit = 20 * 4 * sizeof(index_t);  // 20 rows of L * K = 4 ids
-  p.filer = per_request_filer{p.config, p.layers};
+  p.config.max_model_len     = 8192;
+  p.config.host_memory_limit = 20 * 1024;
+  p.filer                    = per_request_filer{p.config, p.layers};
+  p.planner                  = rr::step_planner<index_t>{p.config};
   p.add("r");
+  auto step = [&](std::int64_t first, std::int32_t count) {
+    rr::step_plan plan;
+    plan.schedule({.id = "r", .first_position = first, .num_tokens = count});
+    p.plan(plan);
+    (void)p.planner.close();
+    return p.filer.store().bytes_in_use();
+  };
+  CHECK(step(0, 8) == 4096);        // the first segment
+  CHECK(step(8, 8) == 4096);        // still room
+  CHECK(step(900, 8) == 8192);      // a segment of the capacity: doubling
+  CHECK(step(1400, 8) == 16384);    // doubling again
+  CHECK(step(2100, 8) == 20480);    // doubling (16 KiB more) would cross the limit: exactly a page
   rr::step_plan plan;
-  plan.schedule({.id = "r", .first_position = 0, .num_tokens = 8});
-  p.plan(plan);  // 16 rows: the minimum growth
-  (void)p.planner.close();
-  plan.clear();
-  plan.schedule({.id = "r", .first_position = 12, .num_tokens = 8});  // doubling: 32 rows; exactly: 20
-  p.plan(plan);
-  CHECK(p.filer.store().bytes_in_use() == p.config.host_memory_limit);
-  (void)p.planner.close();
-  plan.clear();
-  plan.schedule({.id = "r", .first_position = 20, .num_tokens = 1});
+  plan.schedule({.id = "r", .first_position = 2600, .num_tokens = 1});
   CHECK(code_of([&] { p.planner.validate(plan, p.requests, p.filer); }) == rr::errc::host_memory_exhausted);
 }
 
@@ -192,9 +202,9 @@ TEST_CASE("step_planner: block-slot plans check slots and blocks, then claim eve
   p.plan(plan);
   CHECK(p.filer.store().generation_of(4) == generation + 1);  // fresh before the step's own claims
   const auto& record = *p.planner.open_step();
-  REQUIRE(record.ops.size() == 3);  // claimed when planned: every row's place is known now
-  CHECK(record.ops[0].row == 0);
-  CHECK(record.ops[2].row == 2);
+  REQUIRE(record.ops.size() == 1);  // claimed when planned: three rows to consecutive slots, one piece
+  CHECK(record.ops[0].src == 0);
+  CHECK(record.ops[0].elems == 3 * 4);
   CHECK(record.runs[0].recorded_before == 0);
   CHECK(record.runs[0].recorded_after == 3);
 }
@@ -334,19 +344,21 @@ TEST_CASE("row_filer: first write wins, rows of a released request in flight are
   const rr::step_record<index_t> first = p.planner.close();
   const std::vector<index_t> staging{1, 1, 1, 1, 2, 2, 2, 2};
   rr::detail::step_status clean{};
+  p.filer.retired(first);
   p.filer.file(first, clean, staging.data(), p.requests);
-  CHECK(p.filer.readable_rows(h, p.requests, nullptr) == 1);  // the draft is tentative
+  CHECK(p.reader.readable_rows(h, p.requests, nullptr) == 1);  // the draft is tentative
   p.filer.accept_draft("r", h, 1, p.requests);
-  CHECK(p.filer.readable_rows(h, p.requests, nullptr) == 2);
+  CHECK(p.reader.readable_rows(h, p.requests, nullptr) == 2);
 
   plan.clear();
   plan.schedule({.id = "r", .first_position = 1, .num_tokens = 1});  // recompute of position 1
   p.plan(plan);
   const rr::step_record<index_t> second = p.planner.close();
   const std::vector<index_t> later{9, 9, 9, 9};
+  p.filer.retired(second);
   p.filer.file(second, clean, later.data(), p.requests);
   std::vector<index_t> out(8);
-  p.filer.copy_rows(h, 0, 2, {}, out.data());
+  p.reader.copy_rows(p.filer.store(), h, 0, 2, {}, out.data());
   CHECK(out == staging);  // the first routing recorded for a position wins
 
   rr::detail::step_status dirty{};
@@ -354,4 +366,63 @@ TEST_CASE("row_filer: first write wins, rows of a released request in flight are
   CHECK(code_of([&] { p.filer.file(second, dirty, later.data(), p.requests); }) == rr::errc::missing_routing);
   p.filer.close(h, p.requests);
   CHECK(p.requests.size() == 0);
+}
+
+TEST_CASE("row_arena: buddy blocks split, merge and come back at the same arena address")
+{
+  rr::detail::row_arena<rr::detail::host_written_rows> arena{4096, 2};  // blocks of 4, 8, 16 KiB
+  const auto a = arena.allocate(0);
+  const auto b = arena.allocate(0);
+  const auto c = arena.allocate(1);
+  CHECK(a.offset == 0);
+  CHECK(b.offset == 4096);  // a's buddy
+  CHECK(c.offset == 8192);  // the other half of the superblock
+  CHECK(arena.bytes_in_use() == 16384);
+  std::memset(arena.address(c.offset), 7, 8192);  // the arena address is writable memory
+  arena.release(a);
+  arena.release(b);  // merges with a into an 8 KiB block
+  CHECK(arena.bytes_in_use() == 8192);
+  const auto d = arena.allocate(1);
+  CHECK(d.offset == 0);
+  const auto e = arena.allocate(2);  // no 16 KiB block left: a new superblock
+  CHECK(e.offset == 16384);
+  CHECK(arena.address(e.offset) != nullptr);
+  arena.release(c);
+  arena.release(d);
+  arena.release(e);
+  CHECK(arena.bytes_in_use() == 0);
+}
+
+TEST_CASE("per-request rows: a view stays valid as the request grows; a closed request's segments wait for its steps")
+{
+  using store_type = rr::per_request_storage::store<index_t>;
+  rr::replay_config config = parts_config();
+  config.max_model_len     = 4096;  // rows of 8 bytes: segments of 4 KiB (512 rows) up to 32 KiB
+  store_type store{config, 4};
+  store.open(0);
+  store.reserve(0, 8, false);
+  auto* row = const_cast<index_t*>(store.contiguous(0, 0, 1));  // unclaimed rows read as sentinel
+  REQUIRE(row != nullptr);
+  CHECK(row[0] == -1);
+  auto claim = store.claim(0, 0, -1, 0, 1, false);
+  std::fill_n(claim.dst, 4, index_t{5});
+  store.set_filed_through(1);
+  const index_t* view = store.contiguous(0, 0, 1);
+  store.reserve(0, 3000, false);  // grows by segments: nothing moves
+  CHECK(store.contiguous(0, 0, 1) == view);
+  CHECK(view[3] == 5);
+  claim = store.claim(0, 2999, -1, 0, 2, false);  // a position in a later segment
+  REQUIRE(claim.dst != nullptr);
+  std::int64_t pieces = 0;
+  store.device_pieces(0, claim.dst, 4, [&](index_t* dst, std::int64_t elems) {
+    pieces += elems;
+    std::fill_n(dst, elems, index_t{9});  // written at the arena address, as a kernel would
+  });
+  CHECK(pieces == 4);
+  CHECK(claim.dst[0] == 9);  // ... and seen at the request's address
+  const auto bytes = store.bytes_in_use();
+  store.close(0);  // step 2 claimed rows of it and is not filed: its segments wait
+  CHECK(store.bytes_in_use() == bytes);
+  store.set_filed_through(2);
+  CHECK(store.bytes_in_use() == 0);
 }

@@ -39,8 +39,8 @@ struct device_scatter_on_compute_stream {
 static_assert(!rr::copy_strategy<device_scatter_on_compute_stream>);
 
 static_assert(rr::host_storage<rr::per_request_storage> && rr::host_storage<rr::block_slot_storage>);
-// device scatter writes rows in place from a kernel: only storage with fixed row addresses
-static_assert(rr::block_slot_storage::stable_row_addresses && !rr::per_request_storage::stable_row_addresses);
+// device scatter writes rows in place from a kernel: both storages keep row addresses fixed
+static_assert(rr::block_slot_storage::stable_row_addresses && rr::per_request_storage::stable_row_addresses);
 static_assert(!rr::host_storage<rr::sync_copy>);
 
 static_assert(rr::backend<rr::host_backend>);

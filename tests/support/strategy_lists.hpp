@@ -29,7 +29,7 @@ using device_scatter_uint16 =
   rr::RoutingReplay<B, std::uint16_t, rr::token_major, rr::device_scatter<2>, rr::block_slot_storage>;
 template <class B>
 using device_scatter3_int16 =
-  rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::device_scatter<3>, rr::block_slot_storage>;
+  rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::device_scatter<3>, rr::per_request_storage>;
 
 template <class B>
 using sync_block_slot_uint8 =

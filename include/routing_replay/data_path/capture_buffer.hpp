@@ -110,18 +110,24 @@ class capture_buffer {
     }
     if (num_tokens == 0) { return; }
     note_rows_written(num_tokens);
-    const detail::capture_layer<Index, Layout, Source> kernel{make_ref(num_tokens),
+    const auto items = static_cast<std::int32_t>(num_tokens * top_k_);
+    const detail::capture_layer<Index, Layout, Source> kernel{whole(),
+                                                              Backend::data(capture_status_),
                                                               topk_ids + options.source_row_offset * stride,
                                                               stride,
                                                               options.physical_to_logical,
                                                               options.num_physical_experts,
+                                                              num_experts_,
                                                               slot,
-                                                              top_k_};
+                                                              top_k_,
+                                                              items};
+    // a dependent launch: the router output it reads is the previous kernel's
     if (options.device_row_span != nullptr) {
-      Backend::bulk_async(num_tokens * top_k_,
-                          detail::capture_layer_span<Index, Layout, Source>{kernel, options.device_row_span}, stream);
+      Backend::launch_dependent_async(detail::blocks_for(items), detail::kernel_block_threads,
+                                      detail::capture_layer_span<Index, Layout, Source>{kernel, options.device_row_span},
+                                      stream);
     } else {
-      Backend::bulk_async(num_tokens * top_k_, kernel, stream);
+      Backend::launch_dependent_async(detail::blocks_for(items), detail::kernel_block_threads, kernel, stream);
     }
   }
 
@@ -178,15 +184,23 @@ class capture_buffer {
     const std::int64_t replayed   = padded_rows >= 0 ? padded_rows : rows_outside_steps_;
     const std::int64_t reset_rows = std::max({num_rows, rows_this_step_, replayed});
     if (reset_rows <= 0) { return; }
-    Backend::bulk_async(reset_rows * layers_.num_layers(),
-                        detail::harvest_rows<Index, Layout>{whole(),
-                                                            snapshot,
-                                                            status,
-                                                            Backend::data(capture_status_),
-                                                            num_experts_,
-                                                            static_cast<std::int32_t>(num_rows),
-                                                            static_cast<std::int32_t>(reset_rows)},
-                        compute);
+    // cells of K ids move as the widest word that divides them
+    const std::size_t cell_bytes = static_cast<std::size_t>(top_k_) * sizeof(Index);
+    try {
+      if (cell_bytes % sizeof(detail::word16) == 0) {
+        harvest<detail::word16>(snapshot, status, num_rows, reset_rows, compute);
+      } else if (cell_bytes % sizeof(std::uint64_t) == 0) {
+        harvest<std::uint64_t>(snapshot, status, num_rows, reset_rows, compute);
+      } else {
+        harvest<Index>(snapshot, status, num_rows, reset_rows, compute);
+      }
+    } catch (...) {
+      // the kernel never ran: D and what capture paths reported still hold this step's, so the
+      // next step resets them first, as it does for rows written outside a step
+      rows_outside_steps_  = std::max(rows_outside_steps_, reset_rows);
+      dirty_outside_steps_ = true;
+      throw;
+    }
   }
 
   /// @brief Resets every row capture paths may have written (N_max at least) and what they
@@ -202,11 +216,31 @@ class capture_buffer {
   }
 
  private:
-
   [[nodiscard]] ref_type make_ref(std::int64_t num_rows) noexcept
   {
     return ref_type{whole(), static_cast<std::int32_t>(num_rows), num_experts_,
                     Backend::data(capture_status_)};
+  }
+
+  template <class Word>
+  void harvest(Index* snapshot,
+               detail::step_status* status,
+               std::int64_t num_rows,
+               std::int64_t reset_rows,
+               stream_ref compute)
+  {
+    // rows of one layer that fill a 32-byte sector together
+    const auto cell_bytes      = static_cast<std::int32_t>(static_cast<std::size_t>(top_k_) * sizeof(Index));
+    const std::int32_t grouped = std::max(1, 32 / cell_bytes);
+    const detail::harvest_rows<Index, Layout, Word> kernel{whole(),
+                                                           snapshot,
+                                                           status,
+                                                           Backend::data(capture_status_),
+                                                           num_experts_,
+                                                           static_cast<std::int32_t>(num_rows),
+                                                           static_cast<std::int32_t>(reset_rows),
+                                                           grouped};
+    Backend::launch_async(detail::blocks_for(kernel.num_items()), detail::kernel_block_threads, kernel, compute);
   }
 
   void check_rows_argument(std::int64_t num_rows, const char* what) const

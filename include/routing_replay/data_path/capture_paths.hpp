@@ -14,7 +14,7 @@
 namespace routing_replay {
 
 /// @brief capture(), layer_view() and ref() of `Derived`, which provides `capture_target()`: its
-/// capture_buffer<Backend, Index, Layout>.
+/// capture_buffer<Backend, Index, Layout>, and `enter(name)`: its thread check for a call.
 template <class Derived, backend Backend, expert_index Index, buffer_layout Layout>
 class capture_paths {
   using buffer_type = capture_buffer<Backend, Index, Layout>;
@@ -39,7 +39,8 @@ class capture_paths {
                typename Backend::stream_ref stream,
                const capture_options& options = {})
   {
-    target().capture(model_layer, topk_ids, num_tokens, stream, options);
+    [[maybe_unused]] const auto inside = self().enter("capture");
+    self().capture_target().capture(model_layer, topk_ids, num_tokens, stream, options);
   }
 
   /// @brief (b) The [num_rows, K] slab of D for a model layer, for kernels that write routing
@@ -48,17 +49,22 @@ class capture_paths {
   /// @throws error unknown_layer, too_many_tokens
   [[nodiscard]] layer_view_type layer_view(std::int32_t model_layer, std::int64_t num_rows)
   {
-    return target().layer_view(model_layer, num_rows);
+    [[maybe_unused]] const auto inside = self().enter("layer_view");
+    return self().capture_target().layer_view(model_layer, num_rows);
   }
 
   /// @brief (c) A trivially copyable device reference whose record() an engine's own top-k kernel
   /// calls inline: zero extra launches. `num_rows` bounds the rows it may write.
   /// @throws error too_many_tokens
-  [[nodiscard]] ref_type ref(std::int64_t num_rows) { return target().ref(num_rows); }
+  [[nodiscard]] ref_type ref(std::int64_t num_rows)
+  {
+    [[maybe_unused]] const auto inside = self().enter("ref");
+    return self().capture_target().ref(num_rows);
+  }
   /// @}
 
  private:
-  [[nodiscard]] buffer_type& target() noexcept { return static_cast<Derived&>(*this).capture_target(); }
+  [[nodiscard]] Derived& self() noexcept { return static_cast<Derived&>(*this); }
 };
 
 }  // namespace routing_replay

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 namespace routing_replay {
@@ -82,14 +83,20 @@ class copy_pipeline {
   /// A full ring first retires its oldest step, waiting for its copy.
   /// @throws whatever `sink.file` throws for a step filed here (the first one; later ones stay in
   /// flight); error backend_error if enqueueing fails (the step is discarded)
-  template <class Harvest, step_sink<slot_type> Sink>
-  void push(step_record<Index>& step, Harvest&& harvest, stream_ref compute, Sink& sink)
+  template <class Harvest, class Sink>
+    requires step_sink<std::remove_cvref_t<Sink>, slot_type>
+  void push(step_record<Index>& step, Harvest&& harvest, stream_ref compute, Sink&& sink)
   {
     std::exception_ptr earlier_step_error;
     if (ring_.full()) { retire_oldest_keeping(sink, earlier_step_error); }
     slot_type& slot = ring_.next();
     std::swap(slot.step, step);
     try {
+      if (slot.status_dirty) {  // a failed step left its reports here
+        constexpr std::size_t status_bytes = sizeof(detail::step_status);
+        Backend::fill_2d_async(Backend::data(slot.device_status), status_bytes, 0, status_bytes, 1, compute);
+        slot.status_dirty = false;
+      }
       harvest(std::as_const(slot.step), Backend::data(slot.snapshot), Backend::data(slot.device_status), compute);
       if constexpr (Copy::uses_side_stream) {
         Backend::record(slot.snapshot_taken, compute);
@@ -98,7 +105,11 @@ class copy_pipeline {
         enqueue_copy(slot, compute);
       }
     } catch (...) {
-      sink.discard(slot.step);  // the backend failed: the step's rows never arrive
+      // the backend failed: the step's rows never arrive. What was enqueued for it before the
+      // failure finishes before the slot is reused or freed, and its status is zeroed then.
+      quiesce(compute);
+      slot.status_dirty = true;
+      sink.discard(slot.step);
       throw;
     }
     ring_.push();
@@ -116,13 +127,30 @@ class copy_pipeline {
   /// @brief Files every step up to serial `last` (every step by default), oldest first, waiting
   /// for their copies, and no later one.
   /// @throws whatever `sink.file` throws (the steps after that one stay in flight); backend_error
-  template <step_sink<slot_type> Sink>
-  void drain(Sink& sink, std::uint64_t last = ~std::uint64_t{0})
+  template <class Sink>
+    requires step_sink<std::remove_cvref_t<Sink>, slot_type>
+  void drain(Sink&& sink, std::uint64_t last = ~std::uint64_t{0})
   {
     while (ring_.size() > 0 && ring_.oldest().step.serial <= last) { retire_oldest(sink); }
   }
 
  private:
+  // Waits for everything enqueued on the streams a step uses; their failures are the caller's to
+  // report, so they are not reported again here.
+  void quiesce(stream_ref compute) noexcept
+  {
+    try {
+      Backend::synchronize(compute);
+    } catch (...) {
+    }
+    if constexpr (Copy::uses_side_stream) {
+      try {
+        Backend::synchronize(*copy_stream_);
+      } catch (...) {
+      }
+    }
+  }
+
   // On the copy stream, after the snapshot: the rows to the pinned staging (or, with device
   // scatter, the planned rows straight to their places), then the step's status; the status is
   // zeroed for the slot's next step.
@@ -133,19 +161,27 @@ class copy_pipeline {
     if constexpr (host_scatters) {
       const auto bytes = static_cast<std::size_t>(step.num_rows * row_elems_) * sizeof(Index);
       Backend::copy_async(Backend::data(slot.staging), Backend::data(slot.snapshot), bytes, stream);
-    } else if (const std::size_t num_ops = step.ops.size(); num_ops > 0) {
+      constexpr std::size_t status_bytes = sizeof(detail::step_status);
+      auto* status                       = Backend::data(slot.device_status);
+      Backend::copy_async(Backend::data(slot.status), status, status_bytes, stream);
+      Backend::fill_2d_async(status, status_bytes, 0, status_bytes, 1, stream);
+    } else {
+      // one launch: the kernel reads the pieces where they are (pinned), writes the rows, and its
+      // last block publishes the status and zeroes it
+      const auto num_ops = static_cast<std::int32_t>(step.ops.size());
       std::copy(step.ops.begin(), step.ops.end(), Backend::data(slot.ops));
-      Backend::copy_async(Backend::data(slot.device_ops), Backend::data(slot.ops),
-                          num_ops * sizeof(detail::scatter_op<Index>), stream);
-      Backend::bulk_async(static_cast<std::int64_t>(num_ops) * row_elems_,
-                          detail::scatter_rows<Index>{Backend::data(slot.device_ops), Backend::data(slot.snapshot),
-                                                      Backend::data(slot.device_status), row_elems_},
-                          stream);
+      const std::int32_t blocks = std::max(1, num_ops);
+      Backend::launch_async(blocks,
+                            detail::kernel_block_threads,
+                            detail::scatter_rows<Index>{Backend::data(slot.ops),
+                                                        Backend::data(slot.snapshot),
+                                                        Backend::data(slot.device_status),
+                                                        Backend::data(slot.status),
+                                                        Backend::data(slot.blocks_done),
+                                                        num_ops,
+                                                        blocks},
+                            stream);
     }
-    constexpr std::size_t status_bytes = sizeof(detail::step_status);
-    auto* status                       = Backend::data(slot.device_status);
-    Backend::copy_async(Backend::data(slot.status), status, status_bytes, stream);
-    Backend::fill_2d_async(status, status_bytes, 0, status_bytes, 1, stream);
     Backend::record(slot.copied, stream);
   }
 

@@ -1,17 +1,20 @@
 /// @file
-/// The host side of a replay: parts 1, 2 and 5 of the data path (request_registry, step_planner,
-/// row_filer) composed, and every call an engine makes about requests: add them, serve cached
+/// The host side of a replay: parts 1, 2, 5 and 6 of the data path (request_registry, step_planner,
+/// row_filer, row_reader) composed, and every call an engine makes about requests: add them, serve cached
 /// prefixes, resolve drafts, extract, move blocks, release, abort. Plain C++20, no backend.
 ///
 /// RoutingReplay puts the device side (capture_buffer, copy_pipeline) under it; scheduler_replay
 /// (parallel/scheduler_replay.hpp) puts packets from worker processes under it. Both file steps
-/// through the same planner and filer, which is why they return the same rows.
+/// through the same planner and filer and read them through the same reader, which is why they
+/// return the same rows.
 #pragma once
 
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/request_registry.hpp>
 #include <routing_replay/data_path/row_filer.hpp>
+#include <routing_replay/data_path/row_reader.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
+#include <routing_replay/detail/thread_check.hpp>
 #include <routing_replay/detail/validate_config.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
@@ -39,6 +42,8 @@ class host_side {
  protected:
   /// @brief The row filer over the host store.
   using filer_type = row_filer<Index, Store, Site>;
+  /// @brief The row reader over the host store.
+  using reader_type = row_reader<Index, Store, filer_type::claims_when_planned>;
 
  public:
   /// @brief The stored id type.
@@ -74,6 +79,7 @@ class host_side {
   /// @throws error duplicate_request, slot_out_of_range (cached slots), position_out_of_range
   void add_request(request_key id, const request_options& options = {})
   {
+    [[maybe_unused]] const auto inside = threads_.enter("add_request");
     filer_.check_cached_prefix(id, options.cached_slots);
     const std::uint32_t h = requests_.add(id);  // throws duplicate_request
     filer_.store().open(h);
@@ -88,6 +94,7 @@ class host_side {
   /// @throws error unknown_request, slot_out_of_range, position_out_of_range
   void add_cached_prefix(request_key id, std::span<const std::int64_t> cached_slots)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("add_cached_prefix");
     const std::uint32_t h = requests_.find(id);
     filer_.check_cached_prefix(id, cached_slots);
     filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial());
@@ -101,9 +108,10 @@ class host_side {
   /// @throws error unknown_request; as drain() for a step filed on the way
   [[nodiscard]] std::int64_t recorded_rows(request_key id)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("recorded_rows");
     const std::uint32_t h = requests_.find(id);
     derived().file_through(requests_[h].reads_step);  // what the request's rows may still wait for
-    return filer_.readable_rows(h, requests_, planner_.open_step());
+    return reader_.readable_rows(h, requests_, planner_.open_step());
   }
 
   /// @brief Resolves the oldest pending draft group of a request: the first `num_accepted` drafts
@@ -111,6 +119,7 @@ class host_side {
   /// @throws error unknown_request, draft_error
   void accept_draft(request_key id, std::int32_t num_accepted)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("accept_draft");
     filer_.accept_draft(id, requests_.find(id), num_accepted, requests_);
   }
 
@@ -125,17 +134,19 @@ class host_side {
   /// drain() for a step filed on the way
   [[nodiscard]] result_type extract(request_key id, const extract_options& options = {})
   {
+    [[maybe_unused]] const auto inside = threads_.enter("extract");
     const auto [h, begin, end] = select_rows(id, options);
     const std::int64_t prompt  = options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
-    return filer_.extract(h, begin, end, prompt, options);
+    return reader_.extract(filer_.store(), h, begin, end, prompt, options);
   }
 
   /// @brief Copies a request's rows into a caller buffer; returns the number of rows written.
   /// @throws error as extract(), and invalid_argument if `out` is too small
   std::int64_t extract_into(request_key id, std::span<Index> out, const extract_options& options = {})
   {
+    [[maybe_unused]] const auto inside = threads_.enter("extract_into");
     const auto [h, begin, end] = select_rows(id, options);
-    filer_.copy_rows_into(id, h, begin, end, options, out);
+    reader_.copy_rows_into(filer_.store(), id, h, begin, end, options, out);
     return end - begin;
   }
 
@@ -147,7 +158,8 @@ class host_side {
   void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out)
     requires(Store::slot_indexed)
   {
-    check_block_transfer("export_blocks", blocks, out.size());
+    [[maybe_unused]] const auto inside = threads_.enter("export_blocks");
+    filer_.check_block_transfer("export_blocks", blocks, out.size(), planner_.is_open());
     derived().file_through(~std::uint64_t{0});
     filer_.store().export_blocks(blocks, out.data());
   }
@@ -159,7 +171,8 @@ class host_side {
   void import_blocks(std::span<const std::int64_t> blocks, std::span<const Index> rows)
     requires(Store::slot_indexed)
   {
-    check_block_transfer("import_blocks", blocks, rows.size());
+    [[maybe_unused]] const auto inside = threads_.enter("import_blocks");
+    filer_.check_block_transfer("import_blocks", blocks, rows.size(), planner_.is_open());
     derived().file_through(~std::uint64_t{0});  // rows on their way to these blocks are older
     filer_.store().import_blocks(blocks, rows.data());
   }
@@ -171,6 +184,7 @@ class host_side {
   void copy_blocks(std::span<const std::int64_t> source, std::span<const std::int64_t> destination)
     requires(Store::slot_indexed)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("copy_blocks");
     filer_.check_block_copy(source, destination);
     std::vector<Index> rows(source.size() * static_cast<std::size_t>(filer_.store().block_elems()));
     export_blocks(source, rows);
@@ -182,6 +196,7 @@ class host_side {
   /// @throws error unknown_request, invalid_state if the open step schedules it (use abort)
   void release(request_key id)
   {
+    [[maybe_unused]] const auto inside = threads_.enter("release");
     const std::uint32_t h = requests_.find(id);
     if (planner_.schedules(requests_[h])) {
       throw error{errc::invalid_state, "request " + id.to_string() +
@@ -194,7 +209,11 @@ class host_side {
   /// the open step and those still in flight; block-slot storage keeps the rows of every step that
   /// began at their slots, for other requests' prefix hits.
   /// @throws error unknown_request
-  void abort(request_key id) { filer_.close(requests_.find(id), requests_); }
+  void abort(request_key id)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("abort");
+    filer_.close(requests_.find(id), requests_);
+  }
   /// @}
 
  protected:
@@ -203,9 +222,15 @@ class host_side {
   explicit host_side(replay_config config)
     : config_(detail::validated_config<Index>(std::move(config))),
       filer_(config_, layer_map{config_}),
+      reader_(config_, filer_.layers()),
       planner_(config_)
   {
   }
+
+  /// @brief Marks the calling thread inside the object until the returned guard goes (debug
+  /// builds: one thread drives it); every public call of the object takes one.
+  /// @throws error invalid_state if another thread is inside
+  [[nodiscard]] auto enter(const char* what) { return threads_.enter(what); }
 
   /// @brief The filing sink a copy pipeline hands its steps to (Backend names its stagings).
   template <class Backend>
@@ -214,9 +239,11 @@ class host_side {
     return filer_.template sink<Backend>(requests_);
   }
 
-  replay_config config_;       ///< the validated configuration
-  request_registry requests_;  ///< live requests
-  filer_type filer_;           ///< host storage (with device scatter, what a kernel writes)
+  replay_config config_;         ///< the validated configuration
+  detail::thread_check threads_;  ///< debug builds: one thread at a time inside
+  request_registry requests_;    ///< live requests
+  filer_type filer_;             ///< host storage (with device scatter, what a kernel writes)
+  reader_type reader_;           ///< reads rows back
   step_planner<Index> planner_;  ///< the open step
 
  private:
@@ -228,16 +255,8 @@ class host_side {
   {
     const std::uint32_t h   = requests_.find(id);
     derived().file_through(requests_[h].reads_step);  // what the request's rows may still wait for
-    const auto [begin, end] = filer_.extraction_range(id, h, options, requests_, planner_.open_step());
+    const auto [begin, end] = reader_.extraction_range(id, h, options, requests_, planner_.open_step());
     return {h, begin, end};
-  }
-
-  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems) const
-  {
-    if (planner_.is_open()) {
-      throw error{errc::invalid_state, std::string{what} + " while a step is open; end the step first"};
-    }
-    filer_.check_block_transfer(what, blocks, elems);
   }
 };
 

@@ -41,7 +41,7 @@ struct draft_group {
 
 /// @brief Everything the library knows about one live request.
 struct request_state {
-  std::optional<request_id> id;    ///< engaged while the handle is live
+  const request_id* id = nullptr;  ///< the live id (the registry's own copy); null when retired
   std::uint32_t generation = 0;    ///< bumped on release/abort: in-flight rows of old uses skip
   std::int64_t recorded_rows = 0;  ///< T: one past the highest committed position
   std::int64_t prompt_length = -1;
@@ -60,22 +60,30 @@ struct request_state {
 /// handle are recognised and dropped.
 class request_registry {
  public:
-  /// @brief Registers a new id; throws duplicate_request if it is live.
+  /// @brief Registers a new id; throws duplicate_request if it is live. Strong: if an allocation
+  /// fails, nothing changed.
   std::uint32_t add(request_key key)
   {
     if (ids_.find(key) != ids_.end()) {
       throw error{errc::duplicate_request, "request " + key.to_string() + " was already added"};
     }
-    std::uint32_t h = 0;
+    free_.reserve(states_.size() + 1);  // so that remove() never allocates
+    const auto entry = ids_.emplace(request_id{key}, std::uint32_t{0}).first;
+    std::uint32_t h  = 0;
     if (free_.empty()) {
-      h = static_cast<std::uint32_t>(states_.size());
-      states_.emplace_back();
+      try {
+        states_.emplace_back();
+      } catch (...) {
+        ids_.erase(entry);
+        throw;
+      }
+      h = static_cast<std::uint32_t>(states_.size() - 1);
     } else {
       h = free_.back();
       free_.pop_back();
     }
-    states_[h].id.emplace(key);
-    ids_.emplace(request_id{key}, h);
+    entry->second = h;
+    states_[h].id = &entry->first;
     return h;
   }
 
@@ -93,8 +101,8 @@ class request_registry {
   /// @brief Whether an id is live.
   [[nodiscard]] bool contains(request_key key) const { return ids_.find(key) != ids_.end(); }
 
-  /// @brief Retires a handle: its state resets and its generation moves on.
-  void remove(std::uint32_t h)
+  /// @brief Retires a handle: its state resets and its generation moves on. Never allocates.
+  void remove(std::uint32_t h) noexcept
   {
     auto& s = states_[h];
     ids_.erase(ids_.find(s.id->key()));  // heterogeneous erase(key) is C++23

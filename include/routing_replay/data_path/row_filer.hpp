@@ -1,7 +1,8 @@
 /// @file
 /// Data path, part 5: the row filer. Owns the host storage, decides where each row of a step goes
 /// (claims: first write wins, rows follow their position, tentative drafts), files the rows that
-/// arrived, discards the steps that failed, resolves drafts, and reads requests' rows back out.
+/// arrived, discards the steps that failed, resolves drafts. Reading rows back out is the row
+/// reader's (data_path/row_reader.hpp).
 #pragma once
 
 #include <routing_replay/config.hpp>
@@ -14,7 +15,6 @@
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 #include <routing_replay/layer_map.hpp>
-#include <routing_replay/routed_experts.hpp>
 #include <routing_replay/step_plan.hpp>
 
 #include <algorithm>
@@ -32,9 +32,10 @@ namespace routing_replay {
 /// `Site` places: the host copies them from a staging, or a kernel already wrote them in place.
 ///
 /// Where rows are claimed: slot-indexed stores claim a step's rows when it begins (the step
-/// planner calls claim_run()), because which generation a slot belongs to and whether a row follows
-/// its position depend on the blocks as planned; filing then only moves data. Per-request rows
-/// depend on nothing but their own request's earlier steps: they are claimed when filed.
+/// planner calls claim_planned()), because which generation a slot belongs to and whether a row
+/// follows its position depend on the blocks as planned; so does a device scatter, whose kernel
+/// needs every row's place before it runs. Filing then only moves data. Otherwise per-request rows,
+/// which depend on nothing but their own request's earlier steps, are claimed when filed.
 template <expert_index Index, class Store, scatter_site Site>
 class row_filer {
   using traits = index_traits<Index>;
@@ -43,7 +44,7 @@ class row_filer {
   /// @brief The host store.
   using store_type = Store;
   /// @brief Whether rows are claimed when their step begins (else when it is filed).
-  static constexpr bool claims_when_planned = Store::slot_indexed;
+  static constexpr bool claims_when_planned = Store::slot_indexed || Site == scatter_site::device;
 
   /// @brief Creates the store for a validated configuration.
   row_filer(const replay_config& config, const layer_map& layers)
@@ -174,6 +175,26 @@ class row_filer {
     }
   }
 
+  /// @brief Claims every row of the step just planned (claims_when_planned), recording for each
+  /// request its T before and after, and the step's pieces: where each run of claimed rows goes
+  /// (at addresses kernels reach, for a device scatter) and where it comes from.
+  void claim_planned(step_record<Index>& step, request_registry& requests)
+  {
+    for (auto& run : step.runs) {
+      auto& r             = requests[run.handle];
+      run.recorded_before = r.recorded_rows;
+      claim_run(run, r, step, [&](detail::row_claim<Index> c, std::int64_t row) {
+        std::int64_t src = row * row_elems_;
+        store_.device_pieces(run.handle, c.dst, row_elems_, [&](Index* dst, std::int64_t elems) {
+          add_piece(step.ops, {dst, c.copy_from, src, elems});
+          src += elems;
+          if (c.copy_from != nullptr) { c.copy_from += elems; }
+        });
+      });
+      run.recorded_after = r.recorded_rows;
+    }
+  }
+
   // --- filing ------------------------------------------------------------------------------------
 
   /// @brief A step's rows and verdict have arrived; the verdict decides whether it is stored at
@@ -197,7 +218,10 @@ class row_filer {
         std::memcpy(c.dst, c.copy_from != nullptr ? c.copy_from : staging + row * row_elems_, row_bytes);
       };
       if constexpr (claims_when_planned) {
-        for (const auto& op : step.ops) { place({op.dst, op.copy_from}, op.row); }
+        for (const auto& op : step.ops) {
+          std::memcpy(op.dst, op.copy_from != nullptr ? op.copy_from : staging + op.src,
+                      static_cast<std::size_t>(op.elems) * sizeof(Index));
+        }
       } else {
         for (const auto& run : step.runs) {
           auto& r = requests[run.handle];
@@ -219,11 +243,14 @@ class row_filer {
       std::erase_if(r.drafts, [&](const draft_group& g) { return g.step_serial == step.serial; });
     }
     if constexpr (claims_when_planned) {
-      for (const auto& op : step.ops) {
-        if constexpr (Site == scatter_site::host) { std::fill_n(op.dst, row_elems_, traits::sentinel); }
-        store_.unclaim_row(op.dst);
+      if constexpr (Site == scatter_site::host) {
+        for (const auto& op : step.ops) { std::fill_n(op.dst, op.elems, traits::sentinel); }
       }
       for (const auto& run : step.runs) {
+        for (std::int32_t i = 0; i < run.num_tokens; ++i) {
+          const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
+          store_.unclaim(run.handle, run.first_position + i, slot, step.serial);
+        }
         auto& r = requests[run.handle];
         if (r.generation == run.generation && r.recorded_rows == run.recorded_after) {
           r.recorded_rows = run.recorded_before;
@@ -234,10 +261,7 @@ class row_filer {
 
   /// @brief A step left the copy pipeline, oldest first: rows claimed when it began are readable
   /// from now on (a discarded step's read as missing).
-  void retired(const step_record<Index>& step) noexcept
-  {
-    if constexpr (claims_when_planned) { store_.set_filed_through(step.serial); }
-  }
+  void retired(const step_record<Index>& step) { store_.set_filed_through(step.serial); }
 
   // --- drafts ------------------------------------------------------------------------------------
 
@@ -270,11 +294,15 @@ class row_filer {
 
   // --- block transfers (slot-indexed stores) -----------------------------------------------------
 
-  /// @brief Checks a block list and the ids a transfer of it needs; `what` names the call.
-  /// @throws error slot_out_of_range, invalid_argument
-  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems) const
+  /// @brief Checks a block transfer: no step open (`step_open`), blocks in the pool, and room for
+  /// their ids (`elems`); `what` names the call.
+  /// @throws error invalid_state, slot_out_of_range, invalid_argument
+  void check_block_transfer(const char* what, std::span<const std::int64_t> blocks, std::size_t elems, bool step_open) const
     requires(Store::slot_indexed)
   {
+    if (step_open) {
+      throw error{errc::invalid_state, std::string{what} + " while a step is open; end the step first"};
+    }
     store_.check_blocks(blocks, (std::string{what} + ":").c_str());
     const auto need = blocks.size() * static_cast<std::size_t>(store_.block_elems());
     if (elems < need) {
@@ -301,124 +329,32 @@ class row_filer {
     }
   }
 
-  // --- extraction --------------------------------------------------------------------------------
-
-  /// @brief T of request `h` as readers see it: one past its highest committed position, without
-  /// the rows of `open_step` (the step in progress, or nullptr), which are not readable yet.
-  [[nodiscard]] std::int64_t readable_rows(std::uint32_t h,
-                                           const request_registry& requests,
-                                           const step_record<Index>* open_step) const noexcept
+ private:
+  // Appends a piece to a step's pieces: it extends the last one if it continues it (a run of rows
+  // to consecutive places), and no piece grows past max_piece_elems.
+  static void add_piece(std::vector<detail::scatter_op<Index>>& ops, detail::scatter_op<Index> op)
   {
-    const auto& r = requests[h];
-    if constexpr (claims_when_planned) {
-      if (open_step != nullptr && r.open_step == open_step->serial) {
-        for (const auto& run : open_step->runs) {
-          if (run.handle == h) { return run.recorded_before; }
-        }
-      }
-    }
-    return r.recorded_rows;
-  }
-
-  /// @brief Positions [begin, end) that `options` select from request `h` (`id`).
-  /// @throws error draft_error (unresolved drafts), position_out_of_range
-  [[nodiscard]] std::pair<std::int64_t, std::int64_t> extraction_range(request_key id,
-                                                                       std::uint32_t h,
-                                                                       const extract_options& options,
-                                                                       const request_registry& requests,
-                                                                       const step_record<Index>* open_step) const
-  {
-    for (const auto& g : requests[h].drafts) {
-      if (g.accepted < 0) {
-        throw error{errc::draft_error, "request " + id.to_string() + " has " + std::to_string(g.count) +
-                                         " unresolved draft token(s) from step " + std::to_string(g.step_serial) +
-                                         "; call accept_draft first"};
-      }
-    }
-    const std::int64_t recorded = readable_rows(h, requests, open_step);
-    const std::int64_t end      = options.end_position < 0 ? recorded : options.end_position;
-    if (options.start_position < 0 || options.start_position > end || end > recorded) {
-      throw error{errc::position_out_of_range, "request " + id.to_string() + ": rows [" +
-                                                 std::to_string(options.start_position) + ", " + std::to_string(end) +
-                                                 ") requested, " + std::to_string(recorded) + " recorded"};
-    }
-    return {options.start_position, end};
-  }
-
-  /// @brief Ids per output row: L * K, or every model layer's K with include_dense_layers.
-  [[nodiscard]] std::int64_t output_row_elems(const extract_options& options) const noexcept
-  {
-    return static_cast<std::int64_t>(options.include_dense_layers ? layers_.num_model_layers()
-                                                                  : layers_.num_layers()) * top_k_;
-  }
-
-  /// @brief Positions [begin, end) of request `h`, checked by extraction_range(): a view of the
-  /// store where its rows are contiguous (and no dense layers are asked for), else a gathered copy.
-  /// Missing or stale rows hold the sentinel.
-  [[nodiscard]] routed_experts<Index> extract(std::uint32_t h,
-                                              std::int64_t begin,
-                                              std::int64_t end,
-                                              std::int64_t prompt_length,
-                                              const extract_options& options) const
-  {
-    if (!options.include_dense_layers) {
-      if (const Index* rows = store_.contiguous(h, begin, end - begin)) {
-        return {rows, end - begin, layers_.num_layers(), top_k_, begin, prompt_length};
-      }
-    }
-    std::vector<Index> copy(static_cast<std::size_t>((end - begin) * output_row_elems(options)));
-    copy_rows(h, begin, end, options, copy.data());
-    const std::int64_t layers = options.include_dense_layers ? layers_.num_model_layers() : layers_.num_layers();
-    return {std::move(copy), end - begin, layers, top_k_, begin, prompt_length};
-  }
-
-  /// @brief As copy_rows(), into a caller buffer checked first.
-  /// @throws error invalid_argument if `out` is too small
-  void copy_rows_into(request_key id,
-                      std::uint32_t h,
-                      std::int64_t begin,
-                      std::int64_t end,
-                      const extract_options& options,
-                      std::span<Index> out) const
-  {
-    const std::int64_t need = (end - begin) * output_row_elems(options);
-    if (static_cast<std::int64_t>(out.size()) < need) {
-      throw error{errc::invalid_argument, "extract_into: request " + id.to_string() + " needs " +
-                                            std::to_string(need) + " elements, the buffer has " +
-                                            std::to_string(out.size())};
-    }
-    copy_rows(h, begin, end, options, out.data());
-  }
-
-  /// @brief Copies positions [begin, end) of request `h` to `out` (output_row_elems() per row).
-  void copy_rows(std::uint32_t h, std::int64_t begin, std::int64_t end, const extract_options& options, Index* out) const
-  {
-    if (!options.include_dense_layers) {
-      if (const Index* rows = store_.contiguous(h, begin, end - begin)) {
-        std::memcpy(out, rows, static_cast<std::size_t>((end - begin) * row_elems_) * sizeof(Index));
+    if (!ops.empty()) {
+      auto& last = ops.back();
+      const bool continues =
+        last.dst + last.elems == op.dst && last.elems + op.elems <= detail::max_piece_elems &&
+        (op.copy_from == nullptr ? last.copy_from == nullptr && last.src + last.elems == op.src
+                                 : last.copy_from != nullptr && last.copy_from + last.elems == op.copy_from);
+      if (continues) {
+        last.elems += op.elems;
         return;
       }
-      for (std::int64_t p = begin; p < end; ++p, out += row_elems_) {
-        if (!store_.read(h, p, out)) { std::fill_n(out, row_elems_, traits::sentinel); }
-      }
-      return;
     }
-    std::vector<Index> row(static_cast<std::size_t>(row_elems_));
-    const auto k = static_cast<std::size_t>(top_k_);
-    for (std::int64_t p = begin; p < end; ++p) {
-      const bool present = store_.read(h, p, row.data());
-      for (std::int32_t m = 0; m < layers_.num_model_layers(); ++m, out += k) {
-        const std::int32_t slot = layers_.slot_or_none(m);
-        if (slot < 0 || !present) {
-          std::fill_n(out, k, traits::sentinel);
-        } else {
-          std::memcpy(out, row.data() + static_cast<std::size_t>(slot) * k, k * sizeof(Index));
-        }
-      }
+    while (op.elems > detail::max_piece_elems) {
+      ops.push_back({op.dst, op.copy_from, op.src, detail::max_piece_elems});
+      op.dst += detail::max_piece_elems;
+      op.src += detail::max_piece_elems;
+      if (op.copy_from != nullptr) { op.copy_from += detail::max_piece_elems; }
+      op.elems -= detail::max_piece_elems;
     }
+    ops.push_back(op);
   }
 
- private:
   // A tentative draft row yields to any later write of its position.
   static bool take_over_draft(request_state& r, std::int64_t position) noexcept
   {

@@ -59,6 +59,10 @@ class step_planner {
       throw error{errc::too_many_tokens, "step plan has " + std::to_string(plan.num_rows()) +
                                            " tokens, more than max_tokens_per_step " + std::to_string(max_rows_)};
     }
+    if (plan.padded_rows() > max_rows_) {  // the end of the step resets them: they must lie in D
+      throw error{errc::too_many_tokens, "step plan declares " + std::to_string(plan.padded_rows()) +
+                                           " padded rows, more than max_tokens_per_step " + std::to_string(max_rows_)};
+    }
     auto& store = filer.store();
     ++attempt_;
     store.begin_validation();
@@ -137,16 +141,7 @@ class step_planner {
         {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});
       if (s.num_draft_tokens > 0) { r.drafts.push_back(draft_group_of(s, slots_begin >= 0)); }
     }
-    if constexpr (Filer::claims_when_planned) {
-      for (auto& run : out.runs) {
-        auto& r             = requests[run.handle];
-        run.recorded_before = r.recorded_rows;
-        filer.claim_run(run, r, out, [&](auto claim, std::int64_t row) {
-          out.ops.push_back({claim.dst, claim.copy_from, row});
-        });
-        run.recorded_after = r.recorded_rows;
-      }
-    }
+    if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, requests); }
     open_ = true;
   }
 

@@ -25,19 +25,28 @@ struct ring_slot {
       device_status(1),
       staging(host_scatters ? max_rows * row_elems : 0),
       status(1),
-      ops(host_scatters ? 0 : max_rows),
-      device_ops(host_scatters ? 0 : max_rows)
+      ops(host_scatters ? 0 : max_pieces(max_rows, row_elems)),
+      blocks_done(host_scatters ? 0 : 1)
   {
+  }
+
+  /// @brief The most pieces a step of `max_rows` rows splits into: a row starts at most one piece
+  /// and is cut at most once more (at the end of a storage segment), and pieces are at most
+  /// max_piece_elems long.
+  [[nodiscard]] static std::size_t max_pieces(std::size_t max_rows, std::size_t row_elems) noexcept
+  {
+    return 2 * max_rows + max_rows * row_elems / static_cast<std::size_t>(max_piece_elems) + 1;
   }
 
   typename Backend::template device_vector<Index> snapshot;             ///< [N, L, K] on the device
   typename Backend::template device_vector<step_status> device_status;  ///< the step's verdict
   typename Backend::template pinned_vector<Index> staging;              ///< [N, L, K] on the host
   typename Backend::template pinned_vector<step_status> status;         ///< the verdict, copied
-  typename Backend::template pinned_vector<scatter_op<Index>> ops;      ///< planned rows, pinned
-  typename Backend::template device_vector<scatter_op<Index>> device_ops;  ///< ... on the device
+  typename Backend::template pinned_vector<scatter_op<Index>> ops;  ///< pieces, read by the kernel
+  typename Backend::template device_vector<unsigned int> blocks_done;  ///< the scatter's last block
   typename Backend::event snapshot_taken;  ///< compute stream: D is snapshotted and reset
   typename Backend::event copied;          ///< copy stream: rows and status have arrived
+  bool status_dirty = false;               ///< a step failed here: zero the status before reuse
   routing_replay::step_record<Index> step;                 ///< the step this slot holds
 };
 

@@ -13,6 +13,7 @@
 #include <routing_replay/data_path/capture_paths.hpp>
 #include <routing_replay/data_path/copy_pipeline.hpp>
 #include <routing_replay/data_path/step_record.hpp>
+#include <routing_replay/detail/thread_check.hpp>
 #include <routing_replay/detail/validate_config.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/layer_map.hpp>
@@ -43,7 +44,7 @@ namespace routing_replay {
 template <backend Backend, expert_index Index = std::int16_t, buffer_layout Layout = layer_major,
           copy_strategy Copy = sync_copy>
 class packet_worker : public capture_paths<packet_worker<Backend, Index, Layout, Copy>, Backend, Index, Layout> {
-  friend capture_paths<packet_worker, Backend, Index, Layout>;  // calls capture_target()
+  friend capture_paths<packet_worker, Backend, Index, Layout>;  // calls capture_target(), enter()
   static_assert(Copy::site == scatter_site::host,
                 "a worker packs rows from a pinned staging; device_scatter writes host storage, which lives "
                 "in the scheduler process: use sync_copy, async_event or double_buffered");
@@ -81,6 +82,7 @@ class packet_worker : public capture_paths<packet_worker<Backend, Index, Layout,
   /// @throws error invalid_state, too_many_tokens
   void begin_step(const step_plan& plan, stream_ref compute)
   {
+    [[maybe_unused]] const auto inside = enter("begin_step");
     if (open_) { throw error{errc::invalid_state, "begin_step: a step is still open; call end_step first"}; }
     if (plan.num_rows() > config_.max_tokens_per_step) {
       throw error{errc::too_many_tokens, "step plan has " + std::to_string(plan.num_rows()) +
@@ -113,6 +115,7 @@ class packet_worker : public capture_paths<packet_worker<Backend, Index, Layout,
   template <class Harvest>
   void end_step(stream_ref compute, Harvest&& harvest)
   {
+    [[maybe_unused]] const auto inside = enter("end_step");
     if (!open_) { throw error{errc::invalid_state, "end_step without an open step; call begin_step first"}; }
     open_ = false;
     packing_sink sink{*this};
@@ -125,6 +128,7 @@ class packet_worker : public capture_paths<packet_worker<Backend, Index, Layout,
   /// @brief Delivers the packets of every step still in flight, waiting for their copies.
   void drain()
   {
+    [[maybe_unused]] const auto inside = enter("drain");
     packing_sink sink{*this};
     pipeline_.drain(sink);
   }
@@ -133,6 +137,7 @@ class packet_worker : public capture_paths<packet_worker<Backend, Index, Layout,
   using slot_type = typename copy_pipeline<Backend, Index, Copy>::slot_type;
 
   [[nodiscard]] buffer_type& capture_target() noexcept { return buffer_; }
+  [[nodiscard]] auto enter(const char* what) { return threads_.enter(what); }
 
   // The copy pipeline's sink: a step's rows arrived (or never will): pack and deliver its packet.
   struct packing_sink {
@@ -161,6 +166,7 @@ class packet_worker : public capture_paths<packet_worker<Backend, Index, Layout,
   }
 
   replay_config config_;
+  detail::thread_check threads_;  // debug builds: one thread at a time inside
   deliver_type deliver_;
   buffer_type buffer_;
   std::deque<step_packet_writer<Index>> pending_;  // packets of the steps not yet delivered, oldest first
