@@ -30,6 +30,7 @@ if ! cmake -S . -B build/multi -G Ninja -DCMAKE_BUILD_TYPE=Release -DROUTING_REP
    ! cmake --build build/multi -j "$(build_jobs)" --target parallel_tests multi_gpu_tests parallel_bench \
        >>"$WORK/build.log" 2>&1; then
   tail -n 40 "$WORK/build.log"
+  grep -q "NCCL not found" "$WORK/build.log" && echo "NCCL (nccl.h, libnccl) was not found: set NCCL_HOME"
   echo "build failed"; tar czf "$RESULTS/gpu_check_multi.tgz" -C "$WORK" .; exit 1
 fi
 note "build: ok in $(( $(date +%s) - start )) s"
