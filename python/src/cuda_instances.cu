@@ -23,10 +23,9 @@ struct stream_cast<cuda_backend> {
 
 void register_cuda(factory_table& table)
 {
-  add_copy_and_storage<cuda_backend, std::int16_t, layer_major>(table, "cuda", "int16");
-  add_copy_and_storage<cuda_backend, std::int16_t, token_major>(table, "cuda", "int16");
-  add_copy_and_storage<cuda_backend, std::int32_t, layer_major>(table, "cuda", "int32");
-  add_copy_and_storage<cuda_backend, std::uint8_t, layer_major>(table, "cuda", "uint8");
+  add_int16<cuda_backend, layer_major>(table, "cuda");
+  add_int16<cuda_backend, token_major>(table, "cuda");
+  add_other_index_types<cuda_backend>(table, "cuda");
 }
 
 bool cuda_available() noexcept { return cuda_backend::available(); }

@@ -7,7 +7,10 @@
 #include "replay_base.hpp"
 #include "replay_impl.hpp"
 
+#include <routing_replay/host_backend.hpp>
 #include <routing_replay/step_plan.hpp>
+
+#include <nanobind/nanobind.h>
 
 #include <cstdint>
 #include <deque>
@@ -47,11 +50,33 @@ struct replay_handle {
   {
   }
   replay_handle(replay_handle&&) noexcept            = default;
-  replay_handle& operator=(replay_handle&&) noexcept = default;
+  replay_handle& operator=(replay_handle&&) noexcept = delete;
   replay_handle(const replay_handle&)                = delete;
   replay_handle& operator=(const replay_handle&)     = delete;
-  ~replay_handle()                                   = default;
+  /// @brief Host backend: waits for every stream the replay enqueued work on (a capture kernel may
+  /// still write the device buffer), then destroys the replay, then lets the streams go.
+  ~replay_handle()
+  {
+    for (const nanobind::object& s : host_streams) {
+      try {
+        nanobind::cast<host_stream&>(s).synchronize();
+      } catch (...) {  // a failed task was the engine's to collect; nothing to report it to here
+      }
+    }
+    impl.reset();
+  }
 
+  /// @brief Host backend: keeps a stream (a HostStream object) alive for as long as the replay,
+  /// and has the destructor wait for it.
+  void hold_stream(nanobind::handle stream)
+  {
+    for (const nanobind::object& s : host_streams) {
+      if (s.is(stream)) { return; }
+    }
+    host_streams.push_back(nanobind::borrow(stream));
+  }
+
+  std::vector<nanobind::object> host_streams;  ///< host streams used; destroyed after `impl`
   std::unique_ptr<replay_base> impl;  ///< the instantiation
   backend_kind backend;               ///< host or CUDA
   std::int32_t device_id;             ///< CUDA device of the buffers (0 on the host)

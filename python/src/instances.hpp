@@ -1,10 +1,14 @@
 /// @file
 /// The compiled set of instantiations: which policy combinations a backend module registers.
 ///
-/// Host module: every combination (4 index types x 2 layouts x 4 copy strategies x 2 storages,
-/// less device_scatter with per_request storage: 56), one translation unit per copy strategy.
-/// CUDA module (cuda_instances.cu, one nvcc translation unit): every copy strategy and storage
-/// for int16 with both layouts, and for int32 and uint8 with layer_major: 28.
+/// The same 23 on both backends, so every Python test runs on both:
+/// - int16 (the default; FlashInfer's routing_replay_out type) with both layouts, every copy
+///   strategy and every storage (7 valid combinations per layout: device_scatter takes block_slot
+///   storage only): 14;
+/// - uint8, uint16 and int32 with layer_major and the two strategies engines run in production,
+///   double_buffered (per_request and block_slot storage) and device_scatter (block_slot): 9.
+/// Copy strategies with a ring use depth 2. The host module builds them in three translation units
+/// (so cores build them at once); the CUDA module in one nvcc translation unit.
 #pragma once
 
 #include "replay_impl.hpp"
@@ -15,29 +19,6 @@
 #include <cstdint>
 
 namespace routing_replay::python {
-
-/// @brief Registers <Backend, Index, Layout, Copy, Storage> for every index type the module offers.
-template <class Backend, class Layout, class Copy, class Storage>
-void add_index_types(factory_table& table, const char* backend)
-{
-  add_factory<Backend, std::uint8_t, Layout, Copy, Storage>(table, backend, "uint8");
-  add_factory<Backend, std::uint16_t, Layout, Copy, Storage>(table, backend, "uint16");
-  add_factory<Backend, std::int16_t, Layout, Copy, Storage>(table, backend, "int16");
-  add_factory<Backend, std::int32_t, Layout, Copy, Storage>(table, backend, "int32");
-}
-
-/// @brief Registers every index type, layout and storage for one copy strategy (device_scatter
-/// takes block_slot storage only: with per_request storage it does not compile, by design).
-template <class Backend, class Copy>
-void add_copy_strategy(factory_table& table, const char* backend)
-{
-  if constexpr (Copy::site == scatter_site::host) {
-    add_index_types<Backend, layer_major, Copy, per_request_storage>(table, backend);
-    add_index_types<Backend, token_major, Copy, per_request_storage>(table, backend);
-  }
-  add_index_types<Backend, layer_major, Copy, block_slot_storage>(table, backend);
-  add_index_types<Backend, token_major, Copy, block_slot_storage>(table, backend);
-}
 
 /// @brief Registers every copy strategy and storage for one index type and layout (the 7 valid
 /// combinations).
@@ -53,13 +34,37 @@ void add_copy_and_storage(factory_table& table, const char* backend, const char*
   add_factory<Backend, Index, Layout, device_scatter<2>, block_slot_storage>(table, backend, index);
 }
 
-/// @brief Host module: sync_copy instantiations (host_sync.cpp).
-void register_host_sync(factory_table& table);
-/// @brief Host module: async_event instantiations (host_async_event.cpp).
-void register_host_async_event(factory_table& table);
-/// @brief Host module: double_buffered<2> instantiations (host_double_buffered.cpp).
-void register_host_double_buffered(factory_table& table);
-/// @brief Host module: device_scatter<2> instantiations (host_device_scatter.cpp).
-void register_host_device_scatter(factory_table& table);
+/// @brief The int16 instantiations with one layout: every copy strategy and storage (7).
+template <class Backend, class Layout>
+void add_int16(factory_table& table, const char* backend)
+{
+  add_copy_and_storage<Backend, std::int16_t, Layout>(table, backend, "int16");
+}
+
+/// @brief One more index type with layer_major and the production strategies: double_buffered
+/// (both storages) and device_scatter (block_slot) (3).
+template <class Backend, class Index>
+void add_production_strategies(factory_table& table, const char* backend, const char* index)
+{
+  add_factory<Backend, Index, layer_major, double_buffered<2>, per_request_storage>(table, backend, index);
+  add_factory<Backend, Index, layer_major, double_buffered<2>, block_slot_storage>(table, backend, index);
+  add_factory<Backend, Index, layer_major, device_scatter<2>, block_slot_storage>(table, backend, index);
+}
+
+/// @brief The uint8, uint16 and int32 instantiations (9).
+template <class Backend>
+void add_other_index_types(factory_table& table, const char* backend)
+{
+  add_production_strategies<Backend, std::uint8_t>(table, backend, "uint8");
+  add_production_strategies<Backend, std::uint16_t>(table, backend, "uint16");
+  add_production_strategies<Backend, std::int32_t>(table, backend, "int32");
+}
+
+/// @brief Host module: int16 with layer_major (host_int16_layer_major.cpp).
+void register_host_int16_layer_major(factory_table& table);
+/// @brief Host module: int16 with token_major (host_int16_token_major.cpp).
+void register_host_int16_token_major(factory_table& table);
+/// @brief Host module: uint8, uint16 and int32 (host_other_index_types.cpp).
+void register_host_other_index_types(factory_table& table);
 
 }  // namespace routing_replay::python

@@ -339,26 +339,33 @@ capture_source capture_source_of(const replay_handle& h, std::uintptr_t data, st
   if (dtype < 0 || dtype > static_cast<std::int32_t>(dtype_code::u64)) { throw nb::value_error("bad dtype code"); }
   if (row_offset < 0) { throw nb::value_error("row_offset must be >= 0"); }
   capture_source s;
-  const auto d  = static_cast<dtype_code>(dtype);
-  s.ids.dtype   = d;
-  s.ids.row_stride = row_stride;
+  const auto d                   = static_cast<dtype_code>(dtype);
+  s.ids.dtype                    = d;
+  s.ids.row_stride               = row_stride;
   s.options.num_physical_experts = num_physical;
-  const auto* base = reinterpret_cast<const std::byte*>(data);  // NOLINT: the pointer protocol
+  const auto* base               = reinterpret_cast<const std::byte*>(data);  // NOLINT: the pointer protocol
   if (h.backend == backend_kind::cuda) {
     s.ids.data                    = base;
     s.options.source_row_offset   = row_offset;
     s.options.physical_to_logical = reinterpret_cast<const std::int32_t*>(physical_to_logical);  // NOLINT
     return s;
   }
+  // Host: the first K ids of rows [row_offset, row_offset + num_tokens), as compact int64.
   const std::int64_t k = h.impl->config().top_k;
+  s.ids.dtype          = dtype_code::i64;
+  s.ids.data           = base;  // a null pointer or a short stride: the library refuses it
   if (base != nullptr && num_tokens > 0 && row_stride >= k) {
-    const auto elems = static_cast<std::size_t>((num_tokens - 1) * row_stride + k);
-    s.ids_copy       = std::make_shared<std::vector<std::byte>>(elems * dtype_size(d));
-    std::memcpy(s.ids_copy->data(), base + static_cast<std::size_t>(row_offset * row_stride) * dtype_size(d),
-                s.ids_copy->size());
-    s.ids.data = s.ids_copy->data();
-  } else {
-    s.ids.data = base;  // the library refuses it with its own message, or there is nothing to read
+    s.ids_copy = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(num_tokens * k) * sizeof(std::int64_t));
+    auto* out  = reinterpret_cast<std::int64_t*>(s.ids_copy->data());  // NOLINT
+    visit_dtype(d, [&](auto tag) {
+      using source   = decltype(tag);
+      const auto* in = reinterpret_cast<const source*>(base) + row_offset * row_stride;  // NOLINT
+      for (std::int64_t r = 0; r < num_tokens; ++r) {
+        for (std::int64_t c = 0; c < k; ++c) { out[r * k + c] = static_cast<std::int64_t>(in[r * row_stride + c]); }
+      }
+    });
+    s.ids.data       = out;
+    s.ids.row_stride = k;
   }
   if (physical_to_logical != 0 && num_physical > 0) {
     const auto* map = reinterpret_cast<const std::int32_t*>(physical_to_logical);  // NOLINT
@@ -384,10 +391,9 @@ const factory_table& host_factories()
 {
   static const factory_table table = [] {
     factory_table t;
-    register_host_sync(t);
-    register_host_async_event(t);
-    register_host_double_buffered(t);
-    register_host_device_scatter(t);
+    register_host_int16_layer_major(t);
+    register_host_int16_token_major(t);
+    register_host_other_index_types(t);
     return t;
   }();
   return table;
@@ -465,7 +471,7 @@ NB_MODULE(_core, m)
                               "with the positions of their tokens. Build one and clear() it every step.")
     .def(nb::init<>())
     .def("schedule", &rp::plan_schedule, "id"_a, "first_position"_a, "num_tokens"_a, "num_draft_tokens"_a = 0,
-         "slots"_a = nb::none(),
+         "slots"_a.none() = nb::none(),
          "Appends a request's tokens: rows first..first+num_tokens-1 of the step are positions "
          "first_position... of the request; the last num_draft_tokens are speculative drafts; slots (block_slot "
          "storage) gives one KV slot per token.")
@@ -510,11 +516,14 @@ NB_MODULE(_core, m)
     .def_prop_ro("num_requests", [](const rp::replay_handle& h) { return h.impl->num_requests(); })
     .def_prop_ro("live_views", [](const rp::replay_handle& h) { return h.live_views; })
     .def("layer_slot", [](const rp::replay_handle& h, std::int32_t layer) { return h.impl->layer_slot(layer); })
+    .def("hold_stream", [](rp::replay_handle& h, rr::host_stream& s) { h.hold_stream(nb::find(&s)); },
+         "Host backend: keeps a stream alive with the replay, which waits for it before it is destroyed.")
     .def("add_request",
          [](rp::replay_handle& h, nb::handle id, std::int64_t prompt_length, nb::handle cached_slots) {
            const std::vector<std::int64_t> slots = rp::int64_list(cached_slots);
            h.impl->add_request(rp::key_of(id), rr::request_options{prompt_length, slots});
-         })
+         },
+         "id"_a, "prompt_length"_a, "cached_slots"_a.none())
     .def("add_cached_prefix",
          [](rp::replay_handle& h, nb::handle id, nb::handle cached_slots) {
            const std::vector<std::int64_t> slots = rp::int64_list(cached_slots);
@@ -664,11 +673,13 @@ NB_MODULE(_core, m)
            const rr::replay_config& config, rr::host_stream* copy_stream, bool staging) {
           std::optional<std::uintptr_t> cs;
           if (copy_stream != nullptr) { cs = rp::host_stream_handle(*copy_stream); }
-          return rp::create_replay(rp::host_factories(), {"host", index, layout, copy, storage}, config, cs, staging,
-                                   rp::backend_kind::host, 0);
+          rp::replay_handle h = rp::create_replay(rp::host_factories(), {"host", index, layout, copy, storage}, config,
+                                                  cs, staging, rp::backend_kind::host, 0);
+          if (copy_stream != nullptr) { h.hold_stream(nb::find(copy_stream)); }
+          return h;
         },
-        "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a = nb::none(), "staging"_a = false,
-        "Creates a host-backend replay (internal: use routing_replay.Replay).");
+        "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a.none() = nb::none(),
+        "staging"_a = false, "Creates a host-backend replay (internal: use routing_replay.Replay).");
   m.def("array_info",
         [](nb::ndarray<nb::ro> a) {
           nb::list shape;

@@ -114,6 +114,9 @@ class replay_impl final : public replay_base {
   using replay_type  = RoutingReplay<Backend, Index, Layout, Copy, Storage>;
   using streams      = stream_cast<Backend>;
   static constexpr bool block_slot = std::is_same_v<Storage, block_slot_storage>;
+  // The host binding snapshots every router output as compact int64 during the call (Python
+  // writes are not ordered with host streams), so host kernels are compiled for int64 only.
+  static constexpr bool on_host = std::is_same_v<Backend, host_backend>;
 
  public:
   /// @brief Builds the replay; `copy_stream` only for strategies with a side stream; `staging`
@@ -121,6 +124,10 @@ class replay_impl final : public replay_base {
   replay_impl(policy_names names, replay_config config, std::optional<std::uintptr_t> copy_stream, bool staging)
     : names_(std::move(names)), replay_(make(std::move(config), copy_stream))
   {
+    if constexpr (!on_host) {
+      scratch_.resize(static_cast<std::size_t>(replay_.config().max_tokens_per_step) *
+                      static_cast<std::size_t>(replay_.top_k()));
+    }
     if (staging) {
       staging_.assign(static_cast<std::size_t>(replay_.num_layers()) *
                         static_cast<std::size_t>(replay_.config().max_tokens_per_step) *
@@ -219,10 +226,42 @@ class replay_impl final : public replay_base {
   {
     capture_options o   = options;
     o.source_row_stride = ids.row_stride;
-    visit_dtype(ids.dtype, [&](auto tag) {
+    const auto s        = streams::from(stream);
+    auto native         = [&](auto tag) {
       using source = decltype(tag);
-      replay_.capture(model_layer, static_cast<const source*>(ids.data), num_tokens, streams::from(stream), o);
-    });
+      replay_.capture(model_layer, static_cast<const source*>(ids.data), num_tokens, s, o);
+    };
+    if constexpr (on_host) {
+      require_host_int64(ids, "capture");
+      native(std::int64_t{});
+    } else {
+      switch (ids.dtype) {
+        case dtype_code::i64: native(std::int64_t{}); return;
+        case dtype_code::i32: native(std::int32_t{}); return;
+        case dtype_code::i16: native(std::int16_t{}); return;
+        default: break;
+      }
+      // Other element types are converted to int32 in a scratch [N_max, K] first (one more small
+      // kernel): capture kernels are compiled for int64, int32 and int16 sources only.
+      const auto& c = replay_.config();
+      replay_.layer_slot(model_layer);  // the library's checks, before anything is enqueued
+      if (num_tokens < 0 || num_tokens > c.max_tokens_per_step || ids.row_stride < c.top_k || o.source_row_offset < 0 ||
+          (ids.data == nullptr && num_tokens > 0)) {
+        native(std::int32_t{});  // refused with the library's own message
+        return;
+      }
+      if (num_tokens > 0) {
+        visit_dtype(ids.dtype, [&](auto tag) {
+          using source       = decltype(tag);
+          const auto* first = static_cast<const source*>(ids.data) + o.source_row_offset * ids.row_stride;
+          Backend::bulk_async(num_tokens * c.top_k,
+                              stage_layer<source>{Backend::data(scratch_), first, ids.row_stride, c.top_k}, s);
+        });
+      }
+      o.source_row_offset = 0;
+      o.source_row_stride = c.top_k;
+      replay_.capture(model_layer, static_cast<const std::int32_t*>(Backend::data(scratch_)), num_tokens, s, o);
+    }
   }
 
   [[nodiscard]] layer_window layer_view(std::int32_t model_layer, std::int64_t num_rows) override
@@ -253,12 +292,18 @@ class replay_impl final : public replay_base {
     staged_rows_ = std::max(staged_rows_, num_tokens);
     if (num_tokens == 0) { return; }
     std::int32_t* layer = Backend::data(staging_) + static_cast<std::int64_t>(slot) * c.max_tokens_per_step * c.top_k;
-    visit_dtype(ids.dtype, [&](auto tag) {
+    auto stage          = [&](auto tag) {
       using source = decltype(tag);
       Backend::bulk_async(num_tokens * c.top_k,
                           stage_layer<source>{layer, static_cast<const source*>(ids.data), ids.row_stride, c.top_k},
                           streams::from(stream));
-    });
+    };
+    if constexpr (on_host) {
+      require_host_int64(ids, "capture");
+      stage(std::int64_t{});
+    } else {
+      visit_dtype(ids.dtype, stage);
+    }
   }
 
   void commit_staged_step(const step_plan& plan, std::uintptr_t stream) override
@@ -312,6 +357,14 @@ class replay_impl final : public replay_base {
                  std::string{what} + " needs block_slot storage; this replay uses " + names_.storage};
   }
 
+  static void require_host_int64(const id_array& ids, const char* what)
+  {
+    if (ids.dtype != dtype_code::i64) {
+      throw error{errc::invalid_argument, std::string{what} + ": the host backend takes int64 ids (the binding "
+                                                              "converts every router output to them)"};
+    }
+  }
+
   void require_staging(const char* what) const
   {
     if (staging_.empty()) {
@@ -323,6 +376,9 @@ class replay_impl final : public replay_base {
   replay_type replay_;
   typename Backend::template device_vector<std::int32_t> staging_;  // [L, N_max, K]
   std::int64_t staged_rows_ = 0;  // most rows any staged capture was handed (graphs replay them)
+  // CUDA: int32 ids converted from element types capture kernels are not compiled for; [N_max, K].
+  // Captures of such types share it, so they must be ordered (one stream), as any scratch.
+  typename Backend::template device_vector<std::int32_t> scratch_;
 };
 
 /// @brief A factory for one instantiation.
