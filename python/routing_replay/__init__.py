@@ -275,7 +275,7 @@ class Replay:
         self._held_stream = None
         self._id = next(_replay_ids)
         _live[self._id] = self
-        self._torch_op = _torch_capture_op()
+        self._torch_op, self._compiling = _torch_capture_op()
 
     # ---- shape and accounting ------------------------------------------------------------------
 
@@ -512,7 +512,7 @@ class Replay:
         map from physical (EPLB) to logical expert ids. On the host backend the ids are read during
         the call, so the array may be reused at once.
         """
-        if self._torch_op is not None and _compiling():
+        if self._torch_op is not None and self._compiling():
             if stream is not None:
                 raise ValueError("capture under torch.compile runs on the current stream: pass no stream")
             self._torch_op(topk_ids, self._id, layer, -1 if num_tokens is None else num_tokens, row_offset,
@@ -603,14 +603,10 @@ def _policy_error(e: Error) -> Exception:
 
 
 def _torch_capture_op():
-    """The torch custom op capture() dispatches to under torch.compile, when torch is imported."""
+    """(the torch custom op capture() dispatches to under torch.compile, torch.compiler.is_compiling)
+    when torch is imported, else (None, None). Both are plain attributes, so Dynamo traces the test."""
     if "torch" not in sys.modules:
-        return None
+        return None, None
     from . import torch_ops
 
-    return torch_ops.capture_op()
-
-
-def _compiling() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
+    return torch_ops.capture_op(), sys.modules["torch"].compiler.is_compiling

@@ -54,7 +54,7 @@ def _two_d(shape, strides, what: str, itemsize: int = 1) -> tuple[int, int, int]
     if len(shape) != 2:
         raise ValueError(f"{what}: expected a 2-D array [num_tokens, K (+ shared experts)], got shape {tuple(shape)}")
     rows, cols = int(shape[0]), int(shape[1])
-    if strides is None:
+    if strides is None or rows == 0:
         return rows, cols, cols
     row_stride, col_stride = int(strides[0]) // itemsize, int(strides[1]) // itemsize
     if col_stride != 1 and cols > 1:
