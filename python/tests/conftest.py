@@ -35,6 +35,8 @@ def cuda_skip_reason() -> str | None:
 
 
 CUDA_SKIP = cuda_skip_reason()
+if CUDA_SKIP is not None and os.environ.get("ROUTING_REPLAY_REQUIRE_CUDA"):  # scripts/python_gpu_check.sh
+    pytest.exit(f"ROUTING_REPLAY_REQUIRE_CUDA is set, but the CUDA cases cannot run: {CUDA_SKIP}", returncode=3)
 requires_cuda = pytest.mark.skipif(CUDA_SKIP is not None, reason=f"CUDA backend: {CUDA_SKIP}")
 requires_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
 
