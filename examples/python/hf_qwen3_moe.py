@@ -25,7 +25,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 import routing_replay as rr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from padded_batch import PaddedBatch, left_pad  # noqa: E402
+from padded_batch import PaddedBatch, add_arguments, left_pad  # noqa: E402
 
 
 def tiny_qwen3_moe(seed: int, device: str) -> Qwen3MoeForCausalLM:
@@ -52,14 +52,14 @@ def generate(model, prompts, new_tokens: int, device: str, replay: rr.Replay | N
     layers = moe_layers(model)
     step_logits: dict[int, torch.Tensor] = {}
     if replay is not None:
-        def hook(module, inputs, output, layer):
+        def on_router(layer, output):
             # Qwen3MoeTopKRouter returns (router_logits [tokens, E], routing_weights, router_indices [tokens, K])
             replay.capture(layer, output[2])
             step_logits[replay.layer_slot(layer)] = output[0]
 
         for layer in layers:
             hooks.append(model.model.layers[layer].mlp.gate.register_forward_hook(
-                lambda module, inputs, output, layer=layer: hook(module, inputs, output, layer)))
+                lambda module, inputs, output, layer=layer: on_router(layer, output)))
     tokens, mask, positions = (torch.from_numpy(a).to(device) for a in left_pad(prompts))
     lengths = mask.sum(dim=1)
     top_k = model.config.num_experts_per_tok
@@ -83,22 +83,15 @@ def generate(model, prompts, new_tokens: int, device: str, replay: rr.Replay | N
                        position_ids=(lengths + s)[:, None], past_key_values=out.past_key_values)
             generated.append(out.logits[:, -1].argmax(dim=-1))
     finally:
-        for hook in hooks:
-            hook.remove()
+        for handle in hooks:
+            handle.remove()
     return torch.stack(generated, dim=1).cpu().numpy()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (CUDA backend) or cpu (host backend)")
-    parser.add_argument("--out", default=None, help="directory for request_<id>.npy files")
-    parser.add_argument("--requests", type=int, default=6)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--index", default="int16", choices=rr.INDEX_TYPES)
-    parser.add_argument("--layout", default="layer_major", choices=rr.LAYOUTS)
-    parser.add_argument("--copy", default="double_buffered", choices=rr.COPY_STRATEGIES)
-    parser.add_argument("--storage", default="per_request", choices=rr.STORAGES)
+    add_arguments(parser, requests=6, new_tokens=16)
     args = parser.parse_args(argv)
 
     model = tiny_qwen3_moe(args.seed, args.device)
@@ -107,35 +100,13 @@ def main(argv=None) -> int:
     prompts = [list(rng.integers(1, config.vocab_size, size=int(rng.integers(4, 20)))) for _ in range(args.requests)]
     ids = [f"req-{i}" if i % 2 == 0 else i for i in range(args.requests)]
     opted_in = [i != 1 for i in range(args.requests)]  # request 1 did not ask for its routing
-    max_len = max(len(p) for p in prompts) + args.new_tokens
     block_size = 8 if args.storage == "block_slot" else 0
-    batch = PaddedBatch(ids, [len(p) for p in prompts], opted_in, block_size=block_size, max_len=max_len)
-    replay = rr.Replay(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-                       max_tokens_per_step=len(prompts) * batch.width, max_model_len=max_len,
-                       moe_layers=moe_layers(model), num_model_layers=config.num_hidden_layers,
-                       device="cpu" if args.device == "cpu" else args.device, index=args.index, layout=args.layout,
-                       copy=args.copy, storage=args.storage, block_size=block_size, num_blocks=batch.num_blocks)
-    batch.add_requests(replay)
-
-    plain = generate(model, prompts, args.new_tokens, args.device)
-    captured = generate(model, prompts, args.new_tokens, args.device, replay, batch)
-    if not np.array_equal(plain, captured):
-        raise AssertionError("capture changed the generated tokens")
-
-    results = {}
-    for rid, wanted in zip(ids, opted_in):
-        if wanted:
-            results[rid] = replay.extract(rid, copy=True)
-            assert np.array_equal(rr.from_base64_npy(replay.extract_base64_npy(rid)), results[rid])
-            if args.out:
-                os.makedirs(args.out, exist_ok=True)
-                replay.write_npy(rid, os.path.join(args.out, f"request_{rid}.npy"))
-            replay.release(rid)
-    rows = batch.check(results, replay.num_layers)
-    print(f"{replay!r}: {len(results)} requests, {rows} rows of [{replay.num_layers}, {replay.top_k}] routing "
-          f"bit-exact with the routers' top-k; {args.new_tokens} generated tokens per request unchanged by capture")
-    return 0
-
+    batch = PaddedBatch(ids, [len(p) for p in prompts], opted_in, block_size=block_size,
+                        max_len=max(len(p) for p in prompts) + args.new_tokens)
+    replay = batch.make_replay(args, num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                               moe_layers=moe_layers(model), num_model_layers=config.num_hidden_layers,
+                               device=args.device)
+    return batch.run(replay, lambda r, b: generate(model, prompts, args.new_tokens, args.device, r, b), args)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,7 @@ import numpy as np
 import routing_replay as rr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from padded_batch import PaddedBatch, left_pad  # noqa: E402
+from padded_batch import PaddedBatch, add_arguments, left_pad  # noqa: E402
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
@@ -122,14 +122,7 @@ def generate(model: TinyMoE, prompts, new_tokens: int, replay: rr.Replay | None 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="directory for request_<id>.npy files")
-    parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--index", default="int16", choices=rr.INDEX_TYPES)
-    parser.add_argument("--layout", default="layer_major", choices=rr.LAYOUTS)
-    parser.add_argument("--copy", default="double_buffered", choices=rr.COPY_STRATEGIES)
-    parser.add_argument("--storage", default="per_request", choices=rr.STORAGES)
+    add_arguments(parser, requests=5, new_tokens=12)
     args = parser.parse_args(argv)
 
     model = TinyMoE(seed=args.seed)
@@ -137,36 +130,12 @@ def main(argv=None) -> int:
     prompts = [list(rng.integers(1, model.vocab, size=int(rng.integers(3, 14)))) for _ in range(args.requests)]
     ids = [f"req-{i}" for i in range(args.requests)]
     opted_in = [i != 1 for i in range(args.requests)]  # request 1 did not ask for its routing
-    max_len = max(len(p) for p in prompts) + args.new_tokens
     block_size = 8 if args.storage == "block_slot" else 0
-    batch = PaddedBatch(ids, [len(p) for p in prompts], opted_in, block_size=block_size, max_len=max_len)
-    replay = rr.Replay(num_experts=model.experts, top_k=model.top_k, max_tokens_per_step=len(prompts) * batch.width,
-                       max_model_len=max_len, moe_layers=model.moe_layers, num_model_layers=len(model.layers),
-                       device="cpu", index=args.index, layout=args.layout, copy=args.copy, storage=args.storage,
-                       block_size=block_size, num_blocks=batch.num_blocks)
-
-    batch.add_requests(replay)
-    plain = generate(model, prompts, args.new_tokens)
-    captured = generate(model, prompts, args.new_tokens, replay, batch)
-    if not np.array_equal(plain, captured):
-        raise AssertionError("capture changed the generated tokens")
-
-    results, fields = {}, {}
-    for rid, wanted in zip(ids, opted_in):
-        if wanted:
-            results[rid] = replay.extract(rid, copy=True)
-            fields[rid] = replay.extract_base64_npy(rid)
-            if args.out:
-                os.makedirs(args.out, exist_ok=True)
-                replay.write_npy(rid, os.path.join(args.out, f"request_{rid}.npy"))
-            replay.release(rid)
-    rows = batch.check(results, replay.num_layers)
-    for rid, field in fields.items():
-        assert np.array_equal(rr.from_base64_npy(field), results[rid])
-    print(f"{replay!r}: {len(results)} requests, {rows} rows of [{replay.num_layers}, {replay.top_k}] routing "
-          f"bit-exact with the routers' top-k; {args.new_tokens} generated tokens per request unchanged by capture")
-    return 0
-
+    batch = PaddedBatch(ids, [len(p) for p in prompts], opted_in, block_size=block_size,
+                        max_len=max(len(p) for p in prompts) + args.new_tokens)
+    replay = batch.make_replay(args, num_experts=model.experts, top_k=model.top_k, moe_layers=model.moe_layers,
+                               num_model_layers=len(model.layers), device="cpu")
+    return batch.run(replay, lambda r, b: generate(model, prompts, args.new_tokens, r, b), args)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,11 +9,25 @@ skips them, as it skips requests that did not ask for their routing.
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import Sequence
 
 import numpy as np
 
 import routing_replay as rr
+
+
+def add_arguments(parser: argparse.ArgumentParser, requests: int, new_tokens: int) -> None:
+    """The options both examples take: output, batch size, tokens, seed and the policies."""
+    parser.add_argument("--out", default=None, help="directory for request_<id>.npy files")
+    parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--index", default="int16", choices=rr.INDEX_TYPES)
+    parser.add_argument("--layout", default="layer_major", choices=rr.LAYOUTS)
+    parser.add_argument("--copy", default="double_buffered", choices=rr.COPY_STRATEGIES)
+    parser.add_argument("--storage", default="per_request", choices=rr.STORAGES)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,6 +119,46 @@ class PaddedBatch:
         positions = sorted(p for (r, p) in self.reference if r == b)
         assert positions == list(range(len(positions)))
         return np.stack([np.stack([self.reference[(b, p)][l] for l in range(num_layers)]) for p in positions])
+
+    def collect(self, replay: rr.Replay, out_dir: str | None) -> dict[object, np.ndarray]:
+        """Every opted-in request's routing (checked against its base64 `routed_experts` field),
+        written to `out_dir` as request_<id>.npy when given; the requests are released."""
+        results = {}
+        for rid, wanted in zip(self.ids, self.opted_in):
+            if not wanted:
+                continue
+            results[rid] = replay.extract(rid, copy=True)
+            assert np.array_equal(rr.from_base64_npy(replay.extract_base64_npy(rid)), results[rid])
+            if out_dir:
+                os.makedirs(out_dir, exist_ok=True)
+                replay.write_npy(rid, os.path.join(out_dir, f"request_{rid}.npy"))
+            replay.release(rid)
+        return results
+
+    def make_replay(self, args: argparse.Namespace, *, num_experts: int, top_k: int, moe_layers: Sequence[int],
+                    num_model_layers: int, device: str) -> rr.Replay:
+        """A Replay for this batch with the policies of the command line, its requests added."""
+        replay = rr.Replay(num_experts=num_experts, top_k=top_k, max_tokens_per_step=len(self.ids) * self.width,
+                           max_model_len=max(self.lengths) + args.new_tokens, moe_layers=moe_layers,
+                           num_model_layers=num_model_layers, device=device, index=args.index, layout=args.layout,
+                           copy=args.copy, storage=args.storage, block_size=self.block_size,
+                           num_blocks=self.num_blocks)
+        self.add_requests(replay)
+        return replay
+
+    def run(self, replay: rr.Replay, generate, args: argparse.Namespace) -> int:
+        """Generates without and with capture (`generate(replay, batch)` returns the tokens), checks
+        that the tokens are the same and that the routing is the routers' top-k, writes the files."""
+        plain = generate(None, None)
+        captured = generate(replay, self)
+        if not np.array_equal(plain, captured):
+            raise AssertionError("capture changed the generated tokens")
+        results = self.collect(replay, args.out)
+        rows = self.check(results, replay.num_layers)
+        print(f"{replay!r}: {len(results)} requests, {rows} rows of [{replay.num_layers}, {replay.top_k}] routing "
+              f"bit-exact with the routers' top-k; {args.new_tokens} generated tokens per request unchanged by "
+              "capture")
+        return 0
 
     def check(self, results: dict[object, np.ndarray], num_layers: int) -> int:
         """Compares every opted-in request's routing with the reference; returns rows checked."""

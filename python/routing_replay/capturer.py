@@ -162,30 +162,23 @@ class RoutedExpertsCapturer:
         """The request's routing as a numpy ``[T, L, K]`` array (an independent copy), its first
         ``seqlen`` rows when given; None for an unknown request or one with no rows. ``free_slot``
         releases the request afterwards. Rows never recorded hold the index type's sentinel."""
-        if req_id not in self._replay:
-            return None
-        recorded = self._replay.recorded_rows(req_id)
-        rows = None
-        if recorded > 0:
-            end = recorded if seqlen is None else max(0, min(recorded, seqlen))
-            rows = self._replay.extract(req_id, 0, end, copy=True)
-        if free_slot:
-            self._replay.release(req_id)
-        return rows
+        return self._finished(req_id, seqlen, free_slot, lambda end: self._replay.extract(req_id, 0, end, copy=True))
 
     def get_routed_experts_base64(self, req_id, seqlen: int | None = None, free_slot: bool = True) -> str | None:
         """As :meth:`get_routed_experts`, as vLLM's ``routed_experts`` field (base64 of a ``.npy``),
         written straight from storage without a numpy copy."""
+        return self._finished(req_id, seqlen, free_slot, lambda end: self._replay.extract_base64_npy(req_id, 0, end))
+
+    def _finished(self, req_id, seqlen, free_slot, read):
         if req_id not in self._replay:
             return None
         recorded = self._replay.recorded_rows(req_id)
-        field = None
+        result = None
         if recorded > 0:
-            end = recorded if seqlen is None else max(0, min(recorded, seqlen))
-            field = self._replay.extract_base64_npy(req_id, 0, end)
+            result = read(recorded if seqlen is None else max(0, min(recorded, seqlen)))
         if free_slot:
             self._replay.release(req_id)
-        return field
+        return result
 
     def abort(self, req_id) -> None:
         """Forgets a request at once (its rows still in flight are dropped)."""

@@ -4,8 +4,8 @@
 
 draws, from ``[T, L, K]`` routing arrays (``.npy`` files, directories of them, numpy arrays, or a
 live :class:`routing_replay.Replay` with request ids), a layer x expert heatmap of each expert's
-share of its layer's choices and a bar chart of the most loaded (layer, expert) pairs against the
-uniform share ``1 / E``. Rows never recorded (the sentinel) are left out. Needs matplotlib
+load (its share of its layer's choices relative to a uniform router's ``1 / E``: 1 is uniform, 2
+is twice its share) and a bar chart of the most loaded (layer, expert) pairs. Rows never recorded (the sentinel) are left out. Needs matplotlib
 (``pip install routing-replay[plot]``); :func:`expert_load` itself needs numpy only.
 """
 
@@ -80,25 +80,32 @@ def plot_expert_load(sources, output: str | os.PathLike | None = None, *, num_ex
     counts = expert_load(arrays, num_experts)
     L, E = counts.shape
     share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    load = share * E  # relative to a uniform router: 1 means 1/E of the layer's choices
     rows = sum(a.shape[0] for a in arrays)
 
-    fig, (heat, bars) = plt.subplots(1, 2, figsize=(13, 0.18 * L + 3.2), gridspec_kw={"width_ratios": [3, 1.2]})
-    image = heat.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
+    fig, (heat, bars) = plt.subplots(1, 2, figsize=(13, min(0.09 * L + 3.2, 9)),
+                                     gridspec_kw={"width_ratios": [3, 1.3]})
+    image = heat.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
     heat.set_xlabel("expert")
     heat.set_ylabel("MoE layer")
-    ticks = np.arange(0, L, max(1, L // 24))
+    ticks = np.arange(0, L, max(1, L // 16))
     heat.set_yticks(ticks, [layer_names[t] for t in ticks] if layer_names is not None else ticks)
-    fig.colorbar(image, ax=heat, label="share of the layer's choices", fraction=0.04)
-    heat.set_title(f"expert load per layer ({rows} tokens, {len(arrays)} requests, top-{arrays[0].shape[2]})")
+    fig.colorbar(image, ax=heat, label="load (1 = uniform, 1/E of the layer's choices)", fraction=0.04)
+    heat.set_title(f"expert load per layer ({rows} tokens, {len(arrays)} requests, top-{arrays[0].shape[2]} of {E})")
 
-    flat = np.argsort(-share, axis=None, kind="stable")[: min(top, share.size)]
-    layer_of, expert_of = np.unravel_index(flat, share.shape)
+    flat = np.argsort(-load, axis=None, kind="stable")[: min(top, load.size)]
+    layer_of, expert_of = np.unravel_index(flat, load.shape)
+    values = load[layer_of, expert_of]
     labels = [f"layer {l} / expert {e}" for l, e in zip(layer_of, expert_of)]
-    bars.barh(range(len(flat)), share[layer_of, expert_of], color="tab:orange")
+    bars.barh(range(len(flat)), values, color="tab:orange")
     bars.set_yticks(range(len(flat)), labels)
     bars.invert_yaxis()
-    bars.axvline(1.0 / E, color="k", linestyle="--", linewidth=1, label=f"uniform 1/E = {1.0 / E:.3f}")
-    bars.set_xlabel("share of the layer's choices")
+    bars.axvline(1.0, color="k", linestyle="--", linewidth=1, label="uniform")
+    low = min(1.0, float(values.min(initial=1.0)))
+    high = float(values.max(initial=1.0))
+    margin = 0.05 * (high - low) + 0.005
+    bars.set_xlim(low - margin, high + margin)
+    bars.set_xlabel("load (1 = uniform)")
     bars.set_title(f"{len(flat)} most loaded experts")
     bars.legend(loc="lower right", framealpha=0.9)
     if title:

@@ -24,6 +24,17 @@ def routing(rows: int, layers: int = 2, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, E, size=(rows, layers, K), dtype=np.int64)
 
 
+def capture_request(replay, ids: np.ndarray, make_array) -> None:
+    """Adds request "a" and captures `ids` [N, L, K] as its positions [0, N) in one step, each
+    layer's [N, K] ids handed over as `make_array(ids)`."""
+    replay.add_request("a")
+    plan = rr.StepPlan()
+    plan.schedule("a", 0, ids.shape[0])
+    with replay.step(plan):
+        for layer in range(ids.shape[1]):
+            replay.capture(layer, make_array(ids[:, layer]))
+
+
 def run_step(replay, device, runs, ids, layers=(0, 1), **capture_kw) -> rr.StepPlan:
     """One step: runs = [(id, first_position, num_tokens)], ids = [N, L, K] routing."""
     plan = rr.StepPlan()
@@ -123,15 +134,14 @@ def test_npy_refuses_wide_types():
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"])
 def test_every_integer_source_dtype(device, dtype):
     replay = make(device, num_fused_shared_experts=1)
-    replay.add_request("a")
     ids = routing(3)
-    plan = rr.StepPlan()
-    plan.schedule("a", 0, 3)
-    with replay.step(plan):
-        for layer in (0, 1):
-            source = np.full((3, K + 1), E + 5, dtype=dtype)  # the shared-expert column is skipped
-            source[:, :K] = ids[:, layer]
-            replay.capture(layer, device.array(source))
+
+    def with_shared_column(layer_ids):
+        source = np.full((3, K + 1), E + 5, dtype=dtype)  # the shared-expert column is skipped
+        source[:, :K] = layer_ids
+        return device.array(source)
+
+    capture_request(replay, ids, with_shared_column)
     np.testing.assert_array_equal(replay.extract("a"), ids)
 
 
@@ -157,16 +167,14 @@ def test_row_offset_and_physical_to_logical(device):
 
 def test_strided_rows(device):
     replay = make(device)
-    replay.add_request("a")
     ids = routing(4)
-    wide = np.full((4, 2, K + 3), 99, dtype=np.int64)
-    wide[:, :, :K] = ids
-    plan = rr.StepPlan()
-    plan.schedule("a", 0, 4)
-    with replay.step(plan):
-        for layer in (0, 1):
-            source = device.array(wide[:, layer])[:, :K]  # a column window: row stride K + 3
-            replay.capture(layer, source)
+
+    def column_window(layer_ids):  # a window of a wider array: row stride K + 3
+        wide = np.full((4, K + 3), 99, dtype=np.int64)
+        wide[:, :K] = layer_ids
+        return device.array(wide)[:, :K]
+
+    capture_request(replay, ids, column_window)
     np.testing.assert_array_equal(replay.extract("a"), ids)
 
 
@@ -200,13 +208,8 @@ class DLPackOnly:
 
 def test_dlpack_input(device):
     replay = make(device)
-    replay.add_request("a")
     ids = routing(3)
-    plan = rr.StepPlan()
-    plan.schedule("a", 0, 3)
-    with replay.step(plan):
-        for layer in (0, 1):
-            replay.capture(layer, DLPackOnly(device.array(ids[:, layer])))
+    capture_request(replay, ids, lambda layer_ids: DLPackOnly(device.array(layer_ids)))
     np.testing.assert_array_equal(replay.extract("a"), ids)
 
 
@@ -224,13 +227,9 @@ def test_cuda_array_interface_input():
 
     replay = rr.Replay(num_experts=E, top_k=K, max_tokens_per_step=8, max_model_len=32, moe_layers=[0, 1],
                        device="cuda")
-    replay.add_request("a")
     ids = routing(3)
-    plan = rr.StepPlan()
-    plan.schedule("a", 0, 3)
-    with replay.step(plan):
-        for layer in (0, 1):
-            replay.capture(layer, CudaArrayInterfaceOnly(torch.from_numpy(ids[:, layer].astype(np.int32)).cuda()))
+    capture_request(replay, ids,
+                    lambda layer_ids: CudaArrayInterfaceOnly(torch.from_numpy(layer_ids.astype(np.int32)).cuda()))
     np.testing.assert_array_equal(replay.extract("a"), ids)
 
 

@@ -19,8 +19,9 @@ E, K, L, H = 32, 4, 3, 16
 def torch():
     import torch
 
-    import routing_replay.torch_ops  # noqa: F401  (registers the op)
+    from routing_replay import torch_ops
 
+    assert torch_ops.capture_op() is torch.ops.routing_replay.capture  # importing it registered the op
     return torch
 
 
