@@ -49,6 +49,13 @@ NB_MODULE(_core_cuda, m)
   m.def("current_device", &rp::cuda_current_device, "The calling thread's current CUDA device.");
   m.def("set_device", &rp::cuda_set_device, "device"_a, "Makes a CUDA device current for the calling thread.");
   m.def("runtime_version", &rp::cuda_runtime_version, "The CUDA runtime version the module was built with.");
+  m.def("_cross_module_check",
+        [] {
+          rp::plan_holder plan;
+          plan.plan.skip(3);
+          return plan;
+        },
+        "Internal: a StepPlan (bound by _core) made in this module, for the tests.");
   m.def("create",
         [](const std::string& index, const std::string& layout, const std::string& copy, const std::string& storage,
            const rr::replay_config& config, std::optional<std::uintptr_t> copy_stream, bool staging) {

@@ -245,6 +245,18 @@ def test_arrays_on_the_wrong_device():
         cuda.capture(0, np.zeros((1, K), dtype=np.int64))
 
 
+@pytest.mark.skipif("cuda" not in rr.backends(), reason="the CUDA backend module was not built")
+def test_cuda_module_shares_the_classes():
+    """The CUDA module returns classes _core binds, and its errors reach Python as rr.Error."""
+    from routing_replay import _core_cuda
+
+    plan = _core_cuda._cross_module_check()
+    assert isinstance(plan, rr.StepPlan) and plan.num_rows == 3
+    if not rr.cuda_available():
+        expect_error("backend_error", rr.Replay, num_experts=E, top_k=K, max_tokens_per_step=8, max_model_len=32,
+                     moe_layers=[0], device="cuda")
+
+
 def test_host_capture_reads_the_array_during_the_call():
     stream = rr.HostStream()
     replay = rr.Replay(num_experts=E, top_k=K, max_tokens_per_step=8, max_model_len=32, moe_layers=[0, 1],
