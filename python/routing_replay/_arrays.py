@@ -59,9 +59,11 @@ def _two_d(shape, strides, what: str, itemsize: int = 1) -> tuple[int, int, int]
     row_stride, col_stride = int(strides[0]) // itemsize, int(strides[1]) // itemsize
     if col_stride != 1 and cols > 1:
         raise ValueError(f"{what}: the columns of each row must be contiguous (column stride {col_stride})")
-    if row_stride < 0:
-        raise ValueError(f"{what}: negative row stride")
-    return rows, cols, row_stride if rows > 1 else max(row_stride, cols)
+    if rows == 1:
+        return rows, cols, max(row_stride, cols)
+    if row_stride < cols:
+        raise ValueError(f"{what}: rows overlap (row stride {row_stride} for {cols} columns)")
+    return rows, cols, row_stride
 
 
 def _torch_tensor(a) -> IdArray:

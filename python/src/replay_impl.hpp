@@ -244,12 +244,8 @@ class replay_impl final : public replay_base {
       // Other element types are converted to int32 in a scratch [N_max, K] first (one more small
       // kernel): capture kernels are compiled for int64, int32 and int16 sources only.
       const auto& c = replay_.config();
-      replay_.layer_slot(model_layer);  // the library's checks, before anything is enqueued
-      if (num_tokens < 0 || num_tokens > c.max_tokens_per_step || ids.row_stride < c.top_k || o.source_row_offset < 0 ||
-          (ids.data == nullptr && num_tokens > 0)) {
-        native(std::int32_t{});  // refused with the library's own message
-        return;
-      }
+      replay_.layer_slot(model_layer);  // throws unknown_layer before anything is enqueued
+      check_source(model_layer, ids, num_tokens, o.source_row_offset);
       if (num_tokens > 0) {
         visit_dtype(ids.dtype, [&](auto tag) {
           using source       = decltype(tag);
@@ -278,17 +274,7 @@ class replay_impl final : public replay_base {
     require_staging("stage_capture");
     const std::int32_t slot = replay_.layer_slot(model_layer);  // throws unknown_layer
     const auto& c           = replay_.config();
-    if (num_tokens < 0 || num_tokens > c.max_tokens_per_step) {
-      throw error{errc::too_many_tokens,
-                  "capture: layer " + std::to_string(model_layer) + " got " + std::to_string(num_tokens) +
-                    " rows, outside [0, max_tokens_per_step = " + std::to_string(c.max_tokens_per_step) + "]"};
-    }
-    if (ids.row_stride < c.top_k || (ids.data == nullptr && num_tokens > 0)) {
-      throw error{errc::invalid_argument,
-                  "capture: layer " + std::to_string(model_layer) + " got row stride " +
-                    std::to_string(ids.row_stride) + " (needs >= K = " + std::to_string(c.top_k) + ")" +
-                    (ids.data == nullptr ? " and a null id pointer" : "")};
-    }
+    check_source(model_layer, ids, num_tokens, 0);
     staged_rows_ = std::max(staged_rows_, num_tokens);
     if (num_tokens == 0) { return; }
     std::int32_t* layer = Backend::data(staging_) + static_cast<std::int64_t>(slot) * c.max_tokens_per_step * c.top_k;
@@ -355,6 +341,24 @@ class replay_impl final : public replay_base {
   {
     return error{errc::invalid_argument,
                  std::string{what} + " needs block_slot storage; this replay uses " + names_.storage};
+  }
+
+  // What the library's capture() refuses, refused the same way before a conversion or staging
+  // kernel (which capture() does not check) is enqueued.
+  void check_source(std::int32_t model_layer, const id_array& ids, std::int64_t num_tokens, std::int64_t row_offset) const
+  {
+    const auto& c          = replay_.config();
+    const std::string what = "capture: layer " + std::to_string(model_layer) + " got ";
+    if (num_tokens < 0) { throw error{errc::invalid_argument, what + "a negative row count " + std::to_string(num_tokens)}; }
+    if (num_tokens > c.max_tokens_per_step) {
+      throw error{errc::too_many_tokens, what + std::to_string(num_tokens) + " rows, outside [0, max_tokens_per_step = " +
+                                           std::to_string(c.max_tokens_per_step) + "]"};
+    }
+    if (ids.row_stride < c.top_k || row_offset < 0 || (ids.data == nullptr && num_tokens > 0)) {
+      throw error{errc::invalid_argument, what + "row stride " + std::to_string(ids.row_stride) + " (needs >= K = " +
+                                            std::to_string(c.top_k) + "), row offset " + std::to_string(row_offset) +
+                                            (ids.data == nullptr ? ", a null id pointer" : "")};
+    }
   }
 
   static void require_host_int64(const id_array& ids, const char* what)

@@ -176,6 +176,10 @@ def test_strided_rows(device):
 
     capture_request(replay, ids, column_window)
     np.testing.assert_array_equal(replay.extract("a"), ids)
+    with pytest.raises(ValueError, match="overlap"):
+        replay.capture(0, np.broadcast_to(np.zeros(K, dtype=np.int64), (3, K)))
+    with pytest.raises(ValueError, match="columns"):
+        replay.capture(0, np.zeros((3, 2 * K), dtype=np.int64)[:, ::2])
 
 
 def test_capture_pointer(device):
