@@ -49,6 +49,7 @@ struct replay_handle {
     : impl(std::move(replay)), backend(kind), device_id(device)
   {
   }
+  /// @brief Takes over another handle (nanobind moves a returned handle into its Python object).
   replay_handle(replay_handle&&) noexcept            = default;
   replay_handle& operator=(replay_handle&&) noexcept = delete;
   replay_handle(const replay_handle&)                = delete;

@@ -415,6 +415,7 @@ std::uintptr_t host_stream_handle(host_stream& s) { return reinterpret_cast<std:
 namespace rp = routing_replay::python;
 namespace rr = routing_replay;
 
+/// @brief The Python module routing_replay._core.
 NB_MODULE(_core, m)
 {
   m.doc() = "routing_replay host backend and the classes shared by every backend (see routing_replay)";

@@ -32,6 +32,7 @@ const rp::factory_table& cuda_factories()
 
 }  // namespace
 
+/// @brief The Python module routing_replay._core_cuda.
 NB_MODULE(_core_cuda, m)
 {
   m.doc() = "routing_replay CUDA backend: creates replays whose buffers live on the current CUDA device";
