@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.util
 import io
 import itertools
 import os
@@ -512,6 +513,8 @@ class Replay:
         map from physical (EPLB) to logical expert ids. On the host backend the ids are read during
         the call, so the array may be reused at once.
         """
+        if self._torch_op is None and _arrays.is_torch_tensor(topk_ids):  # torch was imported after __init__
+            self._torch_op, self._compiling = _torch_capture_op()
         if self._torch_op is not None and self._compiling():
             if stream is not None:
                 raise ValueError("capture under torch.compile runs on the current stream: pass no stream")
@@ -602,11 +605,13 @@ def _policy_error(e: Error) -> Exception:
     return ValueError(str(e)) if getattr(e, "code", None) == "invalid_argument" and "no compiled" in str(e) else e
 
 
-def _torch_capture_op():
+def _torch_capture_op(import_torch: bool = False):
     """(the torch custom op capture() dispatches to under torch.compile, torch.compiler.is_compiling)
-    when torch is imported, else (None, None). Both are plain attributes, so Dynamo traces the test."""
+    when torch is imported (or, with `import_torch`, importable), else (None, None). Both are stored
+    as plain attributes, so Dynamo traces the test in capture()."""
     if "torch" not in sys.modules:
-        return None, None
+        if not import_torch or importlib.util.find_spec("torch") is None:
+            return None, None
     from . import torch_ops
 
     return torch_ops.capture_op(), sys.modules["torch"].compiler.is_compiling

@@ -96,7 +96,7 @@ class RoutedExpertsCapturer:
         self._native = self._replay._native
         self._id = next(_replay_ids)
         _live[self._id] = self
-        self._torch_op, self._compiling = _torch_capture_op()
+        self._torch_op, self._compiling = _torch_capture_op(import_torch=True)  # its callers are torch engines
 
     @property
     def replay(self) -> Replay:
@@ -108,6 +108,8 @@ class RoutedExpertsCapturer:
     def capture(self, layer_id: int, topk_ids) -> None:
         """Records one layer's router output ``topk_ids`` ``[n, K (+shared)]``, any integer dtype,
         on the current stream: one small kernel, safe inside CUDA graphs and ``torch.compile``."""
+        if self._torch_op is None and _arrays.is_torch_tensor(topk_ids):
+            self._torch_op, self._compiling = _torch_capture_op()
         if self._torch_op is not None and self._compiling():
             self._torch_op(topk_ids, self._id, layer_id, -1, 0, None)
             return
