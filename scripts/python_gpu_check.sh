@@ -13,7 +13,7 @@ python3 -m venv --system-site-packages "$venv"  # the image's torch, transformer
 start=$(date +%s)
 "$venv/bin/pip" install -q --no-build-isolation --no-deps ./python
 echo "== built and installed in $(( $(date +%s) - start )) s"
-"$venv/bin/python" -m routing_replay | head -n 3
+"$venv/bin/python" -m routing_replay
 ROUTING_REPLAY_REQUIRE_CUDA=1 "$venv/bin/python" -m pytest -rs -p no:cacheprovider python/tests "$@"
 echo "== example (a): a random Qwen3-MoE through transformers, on the GPU"
 "$venv/bin/python" examples/python/hf_qwen3_moe.py --device cuda --out build/hf_qwen3_moe_out
