@@ -74,8 +74,7 @@ except PackageNotFoundError:  # imported from a source tree
 INDEX_TYPES = ("uint8", "uint16", "int16", "int32")
 #: Device-buffer layouts: ``layer_major`` (L, N, K) and ``token_major`` (N, L, K).
 LAYOUTS = ("layer_major", "token_major")
-#: Copy strategies: ``sync``, ``async_event``, ``double_buffered`` (depth 2), ``device_scatter`` (depth 2,
-#: block_slot storage only).
+#: Copy strategies: ``sync``, ``async_event``, ``double_buffered`` (depth 2), ``device_scatter`` (depth 2).
 COPY_STRATEGIES = ("sync", "async_event", "double_buffered", "device_scatter")
 #: Host storages: ``per_request`` (zero-copy extraction) and ``block_slot`` (rows at KV slots).
 STORAGES = ("per_request", "block_slot")
