@@ -9,6 +9,9 @@
 #   the pipeline's ordering and the in-process collectives are checked there; with them the numpy
 #   round trip and the compile-fail check;
 # - the scenario, error and pipeline tests again under AddressSanitizer + UBSan;
+# - the Python package exactly as a user installs it (a fresh virtual environment, pip install
+#   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
+#   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, and its pytest suite;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct) and the demo on a small run.
 set -euo pipefail
@@ -37,6 +40,17 @@ cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
 cmake --build build/asan -j "$(build_jobs)" --target host_core_tests
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build/asan/tests/host_core_tests
+
+echo "== Python package: fresh virtual environment, pip install ./python (host module), pytest"
+python_venv=build/python-venv
+rm -rf "$python_venv"
+python3 -m venv "$python_venv"
+python_start=$(date +%s)
+# -O1: CI checks behaviour, not speed, and the instantiations build a third faster
+"$python_venv/bin/pip" install -q "./python[plot]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
+  -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
+echo "installed in $(( $(date +%s) - python_start )) s"
+"$python_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 
 scripts/packaging_check.sh
 echo "== every public entity documented (doxygen)"

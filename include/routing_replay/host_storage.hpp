@@ -82,7 +82,8 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   store.check_slots(slots, std::int32_t{1});
   cstore.check_blocks(slots, "");
   { cstore.growth_bytes(h, position, true) } -> std::convertible_to<std::size_t>;
-  store.reserve(h, position, true);
+  { store.reserve(h, position, true) } -> std::same_as<bool>;
+  store.undo_reserve(h);
   store.refresh_blocks(slots);
   { cstore.generation_of(position) } -> std::same_as<std::uint32_t>;
   { store.claim(h, position, position, std::uint32_t{0}, std::uint64_t{0}, true) } -> std::same_as<detail::row_claim<std::int16_t>>;

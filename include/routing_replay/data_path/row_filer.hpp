@@ -195,6 +195,13 @@ class row_filer {
     }
   }
 
+  /// @brief Room in `step`'s pieces for a step of `num_rows` rows (claim_planned() then never
+  /// allocates): a row starts at most one piece and is cut at most once more.
+  void reserve_pieces(step_record<Index>& step, std::int64_t num_rows) const
+  {
+    step.ops.reserve(static_cast<std::size_t>(2 * num_rows + num_rows * row_elems_ / detail::max_piece_elems + 1));
+  }
+
   // --- filing ------------------------------------------------------------------------------------
 
   /// @brief A step's rows and verdict have arrived; the verdict decides whether it is stored at

@@ -107,15 +107,32 @@ class step_planner {
   /// @brief Commits the plan validate() just accepted: a new serial, storage reserved, fresh blocks
   /// taken (later plans and prefix hits see their new generation even while older rows for them
   /// are in flight), draft groups opened, and, where the store claims at plan time, every row
-  /// claimed and its place recorded in the step's ops.
+  /// claimed and its place recorded in the step's ops. Every allocation comes first: if one fails,
+  /// storage grown for the step is given back and nothing observable has changed.
   template <class Filer>
   void open(const step_plan& plan, request_registry& requests, Filer& filer)
   {
-    auto& store           = filer.store();
+    auto& store             = filer.store();
     step_record<Index>& out = record_;
-    out.serial              = ++serial_;
-    out.num_rows            = plan.num_rows();
-    out.padded_rows         = plan.padded_rows();
+    reserve_record(plan, requests, filer);
+    std::size_t grown = 0;  // runs whose storage was reserved: undone if a later one fails
+    try {
+      for (const auto& entry : plan.entries()) {
+        if (entry.skipped) { continue; }
+        const scheduled_request& s = entry.request;
+        grew_[grown] = store.reserve(handles_[grown], s.first_position + s.num_tokens, exact_growth_);
+        ++grown;
+      }
+    } catch (...) {
+      while (grown-- > 0) {
+        if (grew_[grown]) { store.undo_reserve(handles_[grown]); }
+      }
+      throw;
+    }
+    // nothing below allocates or throws
+    out.serial      = ++serial_;
+    out.num_rows    = plan.num_rows();
+    out.padded_rows = plan.padded_rows();
     out.runs.clear();
     out.slots.clear();
     out.generations.clear();
@@ -128,10 +145,9 @@ class step_planner {
       const scheduled_request& s = entry.request;
       const std::uint32_t h      = *handle++;
       auto& r                    = requests[h];
-      store.reserve(h, s.first_position + s.num_tokens, exact_growth_);
-      r.open_step  = serial_;
-      r.reads_step = serial_;
-      std::int64_t slots_begin = -1;
+      r.open_step                = serial_;
+      r.reads_step               = serial_;
+      std::int64_t slots_begin   = -1;
       if constexpr (Filer::store_type::slot_indexed) {
         slots_begin = static_cast<std::int64_t>(out.slots.size());
         out.slots.insert(out.slots.end(), s.slots.begin(), s.slots.end());
@@ -156,6 +172,30 @@ class step_planner {
   }
 
  private:
+  // Room for everything open() appends, so that past its storage growth it allocates nothing.
+  template <class Filer>
+  void reserve_record(const step_plan& plan, request_registry& requests, Filer& filer)
+  {
+    std::size_t tokens = 0;
+    for (const auto& entry : plan.entries()) {
+      if (!entry.skipped) { tokens += static_cast<std::size_t>(entry.request.num_tokens); }
+    }
+    record_.runs.reserve(handles_.size());
+    record_.fresh_blocks.reserve(plan.fresh_blocks().size());
+    if constexpr (Filer::store_type::slot_indexed) {
+      record_.slots.reserve(tokens);
+      record_.generations.reserve(tokens);
+    }
+    if constexpr (Filer::claims_when_planned) { filer.reserve_pieces(record_, plan.num_rows()); }
+    grew_.resize(std::max(grew_.size(), handles_.size()));
+    std::size_t i = 0;
+    for (const auto& entry : plan.entries()) {
+      if (entry.skipped) { continue; }
+      auto& drafts = requests[handles_[i++]].drafts;
+      if (entry.request.num_draft_tokens > 0) { drafts.reserve(drafts.size() + 1); }
+    }
+  }
+
   void check_request(const scheduled_request& s) const
   {
     if (s.first_position < 0 || s.first_position + s.num_tokens > max_model_len_) {
@@ -188,6 +228,7 @@ class step_planner {
   bool exact_growth_     = false;
   bool open_             = false;
   std::vector<std::uint32_t> handles_;  // the plan's runs' handles, found once by validate()
+  std::vector<char> grew_;              // per run of the plan being opened: its storage grew
   step_record<Index> record_;           // the open step's record
 };
 

@@ -161,14 +161,19 @@ class block_slot_store {
   /// @brief The host memory limit.
   [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
 
-  /// @brief Makes room to record positions [0, rows) of `h`.
-  void reserve(std::uint32_t h, std::int64_t rows, bool)
+  /// @brief Makes room to record positions [0, rows) of `h`. Metadata only: returns false (nothing
+  /// for undo_reserve() to take back).
+  bool reserve(std::uint32_t h, std::int64_t rows, bool)
   {
     auto& map = positions_[h];
     if (static_cast<std::int64_t>(map.size()) < rows) {
       map.resize(static_cast<std::size_t>(rows), slot_ref{});
     }
+    return false;
   }
+
+  /// @brief Nothing to take back: reserve() only makes room in metadata.
+  void undo_reserve(std::uint32_t) noexcept {}
 
   /// @brief A new KV allocation of these blocks: their old rows become stale for everyone.
   /// Metadata only: a new generation makes every earlier claim on the blocks stale.

@@ -92,11 +92,7 @@ class per_request_store {
   {
     auto& r = rows_[h];
     // back to a bare reservation first: if that fails, nothing has changed
-    if (r.capacity > 0 &&
-        ::mmap(r.view, r.capacity, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) ==
-          MAP_FAILED) {
-      throw_system_error("mmap over a closed request's rows");
-    }
+    if (r.capacity > 0 && !unmap(r.view, r.capacity)) { throw_system_error("mmap over a closed request's rows"); }
     for (const auto& s : r.segments) {
       if (r.last_claim > filed_through_) {
         pending_.push_back({s, r.last_claim});
@@ -139,12 +135,13 @@ class per_request_store {
   [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
 
   /// @brief Grows `h` to hold positions [0, rows); growth_bytes() has been checked by the caller.
+  /// Returns whether it grew (undo_reserve() takes the growth back).
   /// @throws error host_memory_exhausted if the system refuses memory
-  void reserve(std::uint32_t h, std::int64_t rows, bool exact)
+  bool reserve(std::uint32_t h, std::int64_t rows, bool exact)
   {
     auto& r         = rows_[h];
     const int order = growth_order(r, rows, exact);
-    if (order < 0) { return; }
+    if (order < 0) { return false; }
     const auto segment = arena_.allocate(order);
     const std::size_t bytes = arena_.block_bytes(order);
     // populated now, in one call, rather than page by page as the host first touches the rows
@@ -153,9 +150,30 @@ class per_request_store {
       arena_.release(segment);
       throw_system_error("mmap of a row segment");
     }
-    r.segments.push_back(segment);
+    try {
+      r.segments.push_back(segment);
+      r.claimed_by.resize((r.capacity + bytes) / row_bytes_, 0);
+    } catch (...) {
+      if (r.segments.size() > 0 && r.segments.back().offset == segment.offset) { r.segments.pop_back(); }
+      unmap(r.view + r.capacity, bytes);
+      arena_.release(segment);
+      throw;
+    }
     r.capacity += bytes;
-    r.claimed_by.resize(r.capacity / row_bytes_, 0);
+    return true;
+  }
+
+  /// @brief Takes back the growth of the last reserve() of `h` (nothing was claimed in it).
+  void undo_reserve(std::uint32_t h) noexcept
+  {
+    auto& r                 = rows_[h];
+    const auto segment      = r.segments.back();
+    const std::size_t bytes = arena_.block_bytes(segment.order);
+    r.segments.pop_back();
+    r.capacity -= bytes;
+    r.claimed_by.resize(r.capacity / row_bytes_);
+    unmap(r.view + r.capacity, bytes);
+    arena_.release(segment);
   }
 
   /// @brief Where the row of (`h`, `position`) should be written (its host address), claimed by
@@ -278,6 +296,12 @@ class per_request_store {
   {
     const std::size_t units = std::max<std::size_t>(1, (bytes + base - 1) / base);
     return static_cast<int>(std::bit_width(std::bit_ceil(units)) - 1);
+  }
+
+  // Turns [at, at + bytes) of a reserved range back into a bare reservation.
+  static bool unmap(std::byte* at, std::size_t bytes) noexcept
+  {
+    return ::mmap(at, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != MAP_FAILED;
   }
 
   [[nodiscard]] std::size_t view_bytes() const noexcept { return arena_.block_bytes(arena_.max_order()) * 2; }
