@@ -22,7 +22,10 @@ pip_install numpy numpy
 
 echo "== build: GPU tests, demo, benchmarks (-O1)"
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O1" >/dev/null
-cmake --build build/ci -j "$(build_jobs)" --target gpu_tests multi_gpu_tests engine_loop engine_loop_bench host_path_bench device_bench
+ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench)
+# the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
+if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
+cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"
 echo "== GPU and packaging tests"
 ctest --test-dir build/ci --output-on-failure -L "gpu|packaging"
 
