@@ -24,14 +24,15 @@ inline constexpr std::int32_t max_draft_tokens = 32;
 /// Tentative rows are filed like any other, but yield to any later write of their position and are
 /// erased if rejected. `accepted` may arrive before the rows are filed (deferred copies).
 struct draft_group {
-  std::uint64_t step_serial    = 0;
-  std::int64_t first_position  = 0;
-  std::int32_t count           = 0;
+  std::uint64_t step_serial    = 0;      ///< the step whose drafts these are
+  std::int64_t first_position  = 0;      ///< position of the first draft
+  std::int32_t count           = 0;      ///< drafts in the group
   std::int32_t accepted        = -1;     ///< -1 until accept_draft()
   bool filed                   = false;  ///< rows already scattered into storage
   std::uint32_t owned          = 0;      ///< bit d: draft d's row was written by this group
   std::array<std::int64_t, max_draft_tokens> slots{};  ///< slot of each draft (block-slot storage)
 
+  /// @brief Whether this group wrote the row of `position` (and still owns it).
   [[nodiscard]] bool owns(std::int64_t position) const noexcept
   {
     const std::int64_t d = position - first_position;
@@ -44,7 +45,7 @@ struct request_state {
   const request_id* id = nullptr;  ///< the live id (the registry's own copy); null when retired
   std::uint32_t generation = 0;    ///< bumped on release/abort: in-flight rows of old uses skip
   std::int64_t recorded_rows = 0;  ///< T: one past the highest committed position
-  std::int64_t prompt_length = -1;
+  std::int64_t prompt_length = -1;  ///< from add_request(), -1 if unknown
   std::uint64_t planned_attempt = 0;  ///< validation pass that last saw it in a plan
   /// @brief Serial of the last step that scheduled it: the open step schedules it when a step is
   /// open and this is that step's serial (serials only grow, so it is never reset).
