@@ -20,6 +20,8 @@
 #include <routing_replay/parallel/parallel_replay.hpp>
 #include <routing_replay/routing_replay.cuh>
 
+#include <nv/target>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -71,6 +73,17 @@ rr::step_plan plan_of(const scenario& s)
   for (std::int32_t r = 0; r < s.requests; ++r) { plan.schedule({r, 0, s.tokens}); }
   return plan;
 }
+
+// Keeps the GPU busy for `cycles` clock cycles: the head start the host needs to enqueue the timed
+// work, so that its enqueue gaps stay out of the GPU time. Unlike a stream held shut by the host,
+// it ends by itself: NCCL may block the host while its work queue is full, until the GPU drains it.
+struct spin_cycles {
+  long long cycles;
+  __host__ __device__ void operator()(std::int64_t) const
+  {
+    NV_IF_TARGET(NV_IS_DEVICE, (const long long start = clock64(); while (clock64() - start < cycles) {}))
+  }
+};
 
 // A router output [8192, K] of int32 ids every layer reads (what torch.topk hands over).
 struct router_ids {
@@ -207,9 +220,9 @@ class bench_rank {
     for (std::int32_t r = 0; r < sc.requests; ++r) { host->add_request(r); }
   }
 
-  // GPU time of `work` on the compute stream, per iteration: `before` (host, untimed), then the
-  // stream is held shut while `work` is enqueued behind a one-float all-reduce (the ranks meet),
-  // then opened; `after` files what the step left in flight.
+  // GPU time of `work` on the compute stream, per iteration: `before` (host, untimed), then `work`
+  // is enqueued behind a one-float all-reduce (the ranks meet) and a few milliseconds of a busy
+  // GPU (the host's head start); `after` files what the step left in flight.
   template <class Work, class Before, class After>
   std::vector<double> timed(Work&& work, Before&& before, After&& after)
   {
@@ -217,12 +230,11 @@ class bench_rank {
     auto s = stream_.ref();
     for (int i = 0; i < warmup + iterations; ++i) {
       before(s);
-      gate_.close(s);
       check(ncclAllReduce(rr::cuda_backend::data(one_), rr::cuda_backend::data(one_), 1, ncclFloat, ncclSum, comm_, s.get()));
+      rr::cuda_backend::bulk_async(1, spin_cycles{4'000'000}, s);  // about 2 ms
       timer_.start(s);
       work(s);
       timer_.stop(s);
-      gate_.open();
       rr::cuda_backend::synchronize(s);
       after();
       if (i >= warmup) { us.push_back(*timer_.elapsed_us()); }
@@ -244,7 +256,6 @@ class bench_rank {
   int rank_ = 0, size_ = 1;
   rr::cuda_stream stream_;
   platform::timer timer_;
-  platform::stream_gate gate_;
   rr::cuda_backend::device_vector<std::int32_t> ids_;
   rr::cuda_backend::device_vector<std::int32_t> gathered_;
   rr::cuda_backend::device_vector<float> one_;
@@ -266,8 +277,15 @@ int main(int argc, char** argv)
     ncclComm_t comm = rr_test::ranks::join_communicator(args);
     {
       bench_rank bench{comm};
-      for (const auto& sc : scenarios) { bench.sp_gather(sc); }
-      for (const auto& sc : {scenarios[1], scenarios[2]}) { bench.capture_only_end_step(sc); }
+      for (const auto& sc : scenarios) {
+        std::fprintf(stderr, "parallel_bench rank %d: sp_gather %s\n", args.rank, sc.name);
+        bench.sp_gather(sc);
+      }
+      for (const auto& sc : {scenarios[1], scenarios[2]}) {
+        std::fprintf(stderr, "parallel_bench rank %d: capture_only_end_step %s\n", args.rank, sc.name);
+        bench.capture_only_end_step(sc);
+      }
+      std::fprintf(stderr, "parallel_bench rank %d: capture_only_host_alloc\n", args.rank);
       bench.capture_only_host_alloc();
     }
     ncclCommDestroy(comm);
