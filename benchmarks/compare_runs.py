@@ -11,7 +11,19 @@ import json
 import statistics
 import sys
 
-FIELDS = ("host_us", "eos_gpu_us", "added_fwd_us", "extract_us")
+FIELDS = ("host_us", "begin_us", "eos_gpu_us", "added_fwd_us", "overhead_pct", "extract_us")
+
+
+def overhead_pct(r):
+    """Step time added by the library, in percent of the step without it: the median of the
+    per-step differences where the build reports it (overhead_us), else the difference of the
+    medians (older builds)."""
+    if not r.get("step0_us"):
+        return None
+    added = r.get("overhead_us")
+    if added is None and r.get("step_us") is not None:
+        added = r["step_us"] - r["step0_us"]
+    return None if added is None else 100.0 * added / r["step0_us"]
 
 
 def added_fwd(r):
@@ -26,6 +38,7 @@ def main(path):
     for line in open(path):
         r = json.loads(line)
         r["added_fwd_us"] = added_fwd(r)
+        r["overhead_pct"] = overhead_pct(r)
         key = (r["policy"], r["scenario"], r["mode"], r.get("capture_path", "capture"))
         if r["build"] not in builds:
             builds.append(r["build"])

@@ -193,6 +193,11 @@ struct loop_result {
   /// compute stream (the end-of-step kernel; with sync_copy also the copy), the GPU time the copy
   /// pipeline adds to the compute stream per step on top of fwd_gpu_us - fwd0_gpu_us.
   std::optional<double> eos_gpu_us;
+  /// @brief Host time of the library's calls before the forward (add_request() of new requests
+  /// and begin_step()), and the median over measured steps of step_us - step0_us taken step by
+  /// step (each step runs without and then with the library, so the pair shares the machine's
+  /// state; the difference of the two medians mixes steps and is noisier).
+  std::optional<double> begin_us, overhead_us;
   bool correct = false;
 };
 
@@ -218,11 +223,12 @@ inline void print_json_line(const loop_result& r, const loop_options& o)
     "{\"impl\": \"routing_replay\", \"policy\": \"%s\", \"scenario\": \"%s\", \"mode\": \"%s\", "
     "\"layers\": %d, \"topk\": %d, \"experts\": %d, \"host_us\": %s, \"fwd_gpu_us\": %s, "
     "\"fwd0_gpu_us\": %s, \"step_us\": %s, \"step0_us\": %s, \"extract_us\": %s, \"correct\": %s, "
-    "\"eos_gpu_us\": %s, \"capture_path\": \"%s\"}\n",
+    "\"eos_gpu_us\": %s, \"begin_us\": %s, \"overhead_us\": %s, \"capture_path\": \"%s\"}\n",
     r.policy.c_str(), r.scenario.c_str(), r.mode.c_str(), o.layers, o.topk, o.experts,
     number(r.host_us).c_str(), number(r.fwd_gpu_us).c_str(), number(r.fwd0_gpu_us).c_str(),
     number(r.step_us).c_str(), number(r.step0_us).c_str(), number(r.extract_us).c_str(),
-    r.correct ? "true" : "false", number(r.eos_gpu_us).c_str(), o.capture_path.c_str());
+    r.correct ? "true" : "false", number(r.eos_gpu_us).c_str(), number(r.begin_us).c_str(),
+    number(r.overhead_us).c_str(), o.capture_path.c_str());
   std::fflush(stdout);
 }
 
@@ -349,7 +355,7 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     }
   }
 
-  std::vector<double> host_us, fwd_us, fwd0_us, step_us, step0_us, eos_us;
+  std::vector<double> host_us, fwd_us, fwd0_us, step_us, step0_us, eos_us, begin_us, overhead_us;
   typename Platform::timer end_of_step_timer;
   typename Platform::stream_gate gate;
   rr::step_plan plan;
@@ -386,13 +392,16 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     }
 
     const auto t0 = clock::now();
+    double library_before_forward_us = 0;
     plan.clear();
     slots.clear();
     fresh.clear();
     slots.reserve(static_cast<std::size_t>(n));  // the plan keeps spans into it: no reallocation
     for (const auto& run : step.runs) {
       if (!admitted[static_cast<std::size_t>(run.request)]) {
+        const auto a0 = clock::now();
         replay.add_request(run.request, {.prompt_length = s.prompt_length});
+        library_before_forward_us += micros(a0, clock::now());
         admitted[static_cast<std::size_t>(run.request)] = true;
       }
       const std::size_t first = slots.size();
@@ -409,7 +418,9 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     }
     plan.add_fresh_blocks(fresh);
     if (use_graph) { plan.set_padded_rows(padded); }
+    const auto b0 = clock::now();
     replay.begin_step(plan, compute);
+    library_before_forward_us += micros(b0, clock::now());
     timer.start(compute);
     if (use_graph) {
       graphs.at(padded).with->launch(compute);
@@ -432,6 +443,8 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     backend::synchronize(compute);  // stands for the readback of the sampled tokens
     if (step.measured) {
       step_us.push_back(micros(t0, clock::now()));
+      overhead_us.push_back(step_us.back() - step0_us.back());
+      begin_us.push_back(library_before_forward_us);
       host_us.push_back(micros(h0, h1));
       if (auto t = timer.elapsed_us()) { fwd_us.push_back(*t); }
       if (auto t = end_of_step_timer.elapsed_us()) { eos_us.push_back(*t); }
@@ -459,6 +472,8 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
   result.step0_us    = median(step0_us);
   result.extract_us  = median(extract_us);
   result.eos_gpu_us  = median(eos_us);
+  result.begin_us    = median(begin_us);
+  result.overhead_us = median(overhead_us);
   result.correct     = correct;
   return result;
 }

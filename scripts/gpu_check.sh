@@ -14,7 +14,8 @@ summary=()
 status=0
 note() { summary+=("$1"); }
 # Which parts run (comma-separated): tests (GPU and host tests, memcheck, demo), bench (engine
-# loop), micro (Google Benchmark programs), compare (before/after against .baseline). A lease's
+# loop), micro (Google Benchmark programs), compare (before/after against .baseline), overhead
+# (step time added at realistic step lengths, three rounds, both capture paths; not by default). A lease's
 # command may last 10 minutes: split the parts over two calls on a warm machine if needed; the
 # build is reused.
 PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
@@ -153,6 +154,27 @@ for line in sys.stdin: r = json.loads(line); r.update(build=sys.argv[1], round=i
   else
     note "baseline ($base_rev): build failed"; status=1
   fi
+fi
+
+# The library's share of a realistic step (--hidden 4096: a bf16 GEMM [n, 4096] x [4096, 4096] per
+# layer), every strategy and storage, both capture paths, three rounds -> $OUT/overhead.jsonl and
+# overhead.md (overhead_pct: the median of per-step differences against the same step without the
+# library; begin_us: add_request() + begin_step(); host_us: end_step()).
+if want overhead && [ -x build/gpu/benchmarks/engine_loop ]; then
+  : >"$OUT/overhead.jsonl"
+  for round in 1 2 3; do
+    for path in capture record; do
+      build/gpu/benchmarks/engine_loop --backend cuda --mode graph --copy all --storage all --hidden 4096 \
+        --scenarios decode_B256,decode_B1024,prefill_8k --capture-path "$path" 2>/dev/null |
+        python3 -c 'import json, sys
+for line in sys.stdin: r = json.loads(line); r.update(build="after", round=int(sys.argv[1])); print(json.dumps(r))' "$round" \
+        >>"$OUT/overhead.jsonl"
+    done
+  done
+  python3 benchmarks/compare_runs.py "$OUT/overhead.jsonl" >"$OUT/overhead.md"
+  note "overhead (--hidden 4096, 3 rounds): $(wc -l <"$OUT/overhead.jsonl") results -> $OUT/overhead.md"
+  mapfile -t lines <"$OUT/overhead.md"
+  summary+=("${lines[@]}")
 fi
 
 {
