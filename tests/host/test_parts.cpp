@@ -421,8 +421,41 @@ TEST_CASE("per-request rows: a view stays valid as the request grows; a closed r
   CHECK(pieces == 4);
   CHECK(claim.dst[0] == 9);  // ... and seen at the request's address
   const auto bytes = store.bytes_in_use();
-  store.close(0);  // step 2 claimed rows of it and is not filed: its segments wait
-  CHECK(store.bytes_in_use() == bytes);
-  store.set_filed_through(2);
+  store.close(0);  // parked: no longer in use, but step 2 claimed rows of it and is not filed
   CHECK(store.bytes_in_use() == 0);
+  store.open(1);
+  store.reserve(1, 8, false);  // so a new request cannot take the range over yet
+  CHECK(store.contiguous(1, 0, 1) != view);
+  store.set_filed_through(2);
+  store.open(2);
+  CHECK(store.reserve(2, 3000, false));  // now it can, whole: no segment is mapped or allocated
+  CHECK(store.contiguous(2, 0, 1) == view);
+  CHECK(view[0] == -1);  // the old rows are not the new request's: unclaimed rows read as sentinel
+  CHECK(store.bytes_in_use() == bytes + 4096);
+  store.undo_reserve(2);  // parked again
+  CHECK(store.bytes_in_use() == 4096);
+  store.close(1);
+  store.close(2);
+  CHECK(store.bytes_in_use() == 0);
+}
+
+TEST_CASE("per-request rows: parked ranges go back to the arena when growth would cross the limit")
+{
+  using store_type = rr::per_request_storage::store<index_t>;
+  rr::replay_config config = parts_config();
+  config.max_model_len     = 4096;  // segments of 4 KiB (512 rows of 8 bytes) up to 32 KiB
+  config.host_memory_limit = 3 * 4096;
+  store_type store{config, 4};
+  for (std::uint32_t h = 0; h < 3; ++h) {
+    store.open(h);
+    REQUIRE(store.reserve(h, 8, false));
+  }
+  store.close(0);
+  store.close(1);  // two parked ranges: 8 KiB mapped, none of it in use
+  CHECK(store.bytes_in_use() == 4096);
+  store.open(0);
+  // 12 KiB more than request 2's segment: does not fit in a parked range, and only fits under the
+  // limit once both parked ranges are given back
+  CHECK(store.reserve(0, 1024, true));
+  CHECK(store.bytes_in_use() == 3 * 4096);
 }
