@@ -110,7 +110,7 @@ class capture_buffer {
     }
     if (num_tokens == 0) { return; }
     note_rows_written(num_tokens);
-    const auto rows = static_cast<std::int32_t>(num_tokens);
+    const auto items = static_cast<std::int32_t>(num_tokens * top_k_);
     const detail::capture_layer<Index, Layout, Source> kernel{whole(),
                                                               Backend::data(capture_status_),
                                                               topk_ids + options.source_row_offset * stride,
@@ -120,14 +120,14 @@ class capture_buffer {
                                                               num_experts_,
                                                               slot,
                                                               top_k_,
-                                                              rows};
+                                                              items};
     // a dependent launch: the router output it reads is the previous kernel's
     if (options.device_row_span != nullptr) {
-      Backend::launch_dependent_async(detail::blocks_for(rows), detail::kernel_block_threads,
+      Backend::launch_dependent_async(detail::blocks_for(items), detail::kernel_block_threads,
                                       detail::capture_layer_span<Index, Layout, Source>{kernel, options.device_row_span},
                                       stream);
     } else {
-      Backend::launch_dependent_async(detail::blocks_for(rows), detail::kernel_block_threads, kernel, stream);
+      Backend::launch_dependent_async(detail::blocks_for(items), detail::kernel_block_threads, kernel, stream);
     }
   }
 

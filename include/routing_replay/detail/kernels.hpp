@@ -71,10 +71,7 @@ inline constexpr std::int32_t kernel_block_threads = 256;
 }
 
 /// @brief capture(): copies the first K columns of a router's top-k output into one layer of D,
-/// narrowing each id to Index once. One thread per row, 32-bit index arithmetic: a warp reads 32
-/// consecutive source rows (whole sectors) and each thread writes its row's K ids, contiguous in
-/// either layout, as one 16-byte store where they make one (int16 with K = 8, the common shape),
-/// else id by id.
+/// narrowing each id to Index once. One thread per (row, column), 32-bit index arithmetic.
 ///
 /// Source rows may be wider than K (fused shared experts) and may hold physical ids, which a
 /// device map turns into logical ones before the range check. An id outside [0, E) is stored as
@@ -90,41 +87,24 @@ struct capture_layer {
   std::int64_t num_experts;                 // E
   std::int32_t layer_slot;
   std::int32_t top_k;
-  std::int32_t num_rows;
-
-  /// @brief The row a thread copies.
-  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE static std::int32_t row_of(std::int32_t block, std::int32_t thread) noexcept
-  {
-    return block * kernel_block_threads + thread;
-  }
+  std::int32_t num_items;  // rows * K
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t block, std::int32_t thread) const noexcept
   {
-    const std::int32_t row = row_of(block, thread);
-    if (row >= num_rows) { return; }
-    const Source* in = source + static_cast<std::int64_t>(row) * source_stride;
-    Index* out       = &buffer(layer_slot, row, 0);
-    constexpr std::int32_t ids_per_word = sizeof(word16) / sizeof(Index);
-    if (top_k == ids_per_word && reinterpret_cast<std::uintptr_t>(out) % sizeof(word16) == 0) {
-      cuda::std::array<Index, ids_per_word> ids{};
-      for (std::int32_t column = 0; column < ids_per_word; ++column) { ids[column] = narrow(in[column], row, column); }
-      store_word(reinterpret_cast<word16*>(out), cuda::std::bit_cast<word16>(ids));
-    } else {
-      for (std::int32_t column = 0; column < top_k; ++column) { out[column] = narrow(in[column], row, column); }
-    }
-  }
-
- private:
-  // The id of (row, column) as Index: mapped to its logical expert, or the sentinel (reported).
-  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE Index narrow(Source source_id, std::int32_t row, std::int32_t column) const noexcept
-  {
-    auto id = static_cast<std::int64_t>(source_id);
+    const std::int32_t i = block * kernel_block_threads + thread;
+    if (i >= num_items) { return; }
+    const std::int32_t row    = i / top_k;
+    const std::int32_t column = i - row * top_k;
+    auto id = static_cast<std::int64_t>(source[static_cast<std::int64_t>(row) * source_stride + column]);
     if (physical_to_logical != nullptr) {  // an unmappable physical id becomes -1: invalid
       id = (id >= 0 && id < num_physical) ? physical_to_logical[id] : std::int64_t{-1};
     }
-    if (index_traits<Index>::is_valid(id, num_experts)) { return static_cast<Index>(id); }
-    status->invalid_id.report(id, layer_slot, row, column);
-    return index_traits<Index>::sentinel;
+    if (index_traits<Index>::is_valid(id, num_experts)) {
+      buffer(layer_slot, row, column) = static_cast<Index>(id);
+    } else {
+      buffer(layer_slot, row, column) = index_traits<Index>::sentinel;
+      status->invalid_id.report(id, layer_slot, row, column);
+    }
   }
 };
 
