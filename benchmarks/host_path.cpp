@@ -7,6 +7,9 @@
 //   end_step/<policy>/batch:B      end_step() alone, after the forward has finished: the library's
 //                                  post-forward host path (check, copy, scatter), manual time
 //   extract/<storage>/rows:T       extract() of a finished request of T rows
+//   prefill_begin/per_request      add_request() + begin_step() of a prefill step of 4 new requests
+//                                  of 2048 rows, in steady state: each step releases the requests of
+//                                  the step before (their storage is reused), manual time
 //   host_memcpy/bytes:N            one host thread's memcpy: the limit of any host-side scatter
 #include "bench_common.hpp"
 
@@ -108,6 +111,34 @@ void extract_request(benchmark::State& state)
   state.SetBytesProcessed(state.iterations() * std::int64_t{rows} * bench_layers * bench_topk * 2);
 }
 
+void prefill_begin(benchmark::State& state)
+{
+  using replay_type = host_replay<std::int16_t, rr::layer_major, rr::async_event, rr::per_request_storage>;
+  constexpr std::int32_t requests_per_step = 4;
+  constexpr std::int32_t prompt            = 2048;
+  replay_type replay{bench_config(requests_per_step * prompt, 1)};
+  rr::host_stream stream;
+  std::int64_t next = 0;
+  std::vector<std::int64_t> previous;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    rr::step_plan plan;
+    for (std::int32_t i = 0; i < requests_per_step; ++i) {
+      replay.add_request(next + i);
+      plan.schedule({.id = next + i, .first_position = 0, .num_tokens = prompt});
+    }
+    replay.begin_step(plan, stream.ref());
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    record_forward(replay, requests_per_step * prompt, stream.ref());
+    replay.end_step(stream.ref());
+    replay.drain();
+    for (const std::int64_t id : previous) { replay.release(id); }
+    previous.clear();
+    for (std::int32_t i = 0; i < requests_per_step; ++i) { previous.push_back(next + i); }
+    next += requests_per_step;
+  }
+}
+
 void host_memcpy(benchmark::State& state)
 {
   const auto bytes = static_cast<std::size_t>(state.range(0));
@@ -139,6 +170,7 @@ int main(int argc, char** argv)
     benchmark::RegisterBenchmark(("extract/" + std::string{name_of<S>()}).c_str(), extract_request<S>)
       ->ArgName("rows")->Arg(1088)->Arg(4096);
   });
+  benchmark::RegisterBenchmark("prefill_begin/per_request", prefill_begin)->UseManualTime()->Iterations(64);
   benchmark::RegisterBenchmark("host_memcpy", host_memcpy)->ArgName("bytes")->Arg(786432)->Arg(6291456);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) { return 1; }
