@@ -36,6 +36,8 @@ struct sim_config {
   double p_skip                    = 0.25;  ///< per step: tokens of a request that did not opt in
   double p_string_id               = 0.4;   ///< a request is named by a string
   bool random_eviction             = false; ///< allocate any free block, not the least recent
+  bool endless                     = false; ///< finished and aborted requests come back as new
+                                            ///< ones (new ids): a soak never runs out of work
 };
 
 /// @brief The schedule mix of a seed: seeds divisible by 4 run a small, contended KV pool with
@@ -58,6 +60,7 @@ struct sim_request {
   enum class state { pending, waiting, running, finished, aborted };
 
   std::int32_t number = 0;  ///< the `request` of the synthetic router
+  std::int32_t incarnation = 0;  ///< endless runs: how often this entry came back as a new request
   bool named          = false;
   std::string name;
   std::int32_t family       = 0;
@@ -73,7 +76,7 @@ struct sim_request {
   [[nodiscard]] routing_replay::request_key key() const
   {
     return named ? routing_replay::request_key{name}
-                 : routing_replay::request_key{std::int64_t{number} * 1000 + 7};
+                 : routing_replay::request_key{(std::int64_t{incarnation} * 1'000'000 + number) * 1000 + 7};
   }
 };
 
@@ -107,22 +110,14 @@ class engine_sim {
     for (std::int64_t b = 0; b < cfg_.num_blocks; ++b) {
       free_.push_back(b);
     }
-    std::vector<std::int64_t> family_prefix;
     for (std::int32_t f = 0; f < cfg_.families; ++f) {
-      family_prefix.push_back(uniform(cfg_.block_size, 3 * cfg_.block_size + 2));
+      family_prefix_.push_back(uniform(cfg_.block_size, 3 * cfg_.block_size + 2));
     }
     for (std::int32_t i = 0; i < cfg_.num_requests; ++i) {
       sim_request r;
-      r.number       = i;
-      r.named        = chance(cfg_.p_string_id);
-      r.name         = "req-" + std::to_string(i) + "-" + std::to_string(seed);
-      r.family       = static_cast<std::int32_t>(uniform(0, cfg_.families - 1));
-      r.shared_len   = family_prefix[static_cast<std::size_t>(r.family)];
-      // some prompts are exactly the shared prefix: a full prefix hit then recomputes the last
-      // prompt token into a block another request filled
-      r.prompt_len   = r.shared_len + (chance(0.2) ? 0 : uniform(1, 40));
-      r.total_len    = std::min<std::int64_t>(r.prompt_len + uniform(2, 24), cfg_.max_model_len);
-      r.arrival_step = uniform(0, 25);
+      r.number = i;
+      r.name   = "req-" + std::to_string(i) + "-" + std::to_string(seed);
+      draw(r, 0);
       requests_.push_back(r);
     }
   }
@@ -158,6 +153,7 @@ class engine_sim {
   {
     ++step_index_;
     step s;
+    if (cfg_.endless) { reincarnate_gone(); }
     for (auto& r : requests_) {
       if (r.st == sim_request::state::pending && r.arrival_step <= step_index_) {
         r.st = sim_request::state::waiting;
@@ -285,6 +281,35 @@ class engine_sim {
     std::pair<std::int64_t, std::int64_t> content{};
   };
 
+  // A new request's prompt, output length, family and arrival (after `first_arrival`).
+  void draw(sim_request& r, std::int64_t first_arrival)
+  {
+    r.named      = chance(cfg_.p_string_id);
+    r.family     = static_cast<std::int32_t>(uniform(0, cfg_.families - 1));
+    r.shared_len = family_prefix_[static_cast<std::size_t>(r.family)];
+    // some prompts are exactly the shared prefix: a full prefix hit then recomputes the last
+    // prompt token into a block another request filled
+    r.prompt_len   = r.shared_len + (chance(0.2) ? 0 : uniform(1, 40));
+    r.total_len    = std::min<std::int64_t>(r.prompt_len + uniform(2, 24), cfg_.max_model_len);
+    r.arrival_step = first_arrival + uniform(0, 25);
+  }
+
+  // Endless runs: entries whose request finished or was aborted (the caller has released it by
+  // now) come back as a new request with a new id, so the table, and the simulator's memory, stay
+  // the same size however long the run.
+  void reincarnate_gone()
+  {
+    for (auto& r : requests_) {
+      if (r.st != sim_request::state::finished && r.st != sim_request::state::aborted) { continue; }
+      ++r.incarnation;
+      r.name  = "req-" + std::to_string(r.number) + "-" + std::to_string(r.incarnation) + "-soak";
+      r.st    = sim_request::state::pending;
+      r.added = false;
+      r.computed = 0;
+      draw(r, step_index_);
+    }
+  }
+
   [[nodiscard]] std::pair<std::int64_t, std::int64_t> content_of(const sim_request& r,
                                                                  std::int64_t block) const
   {
@@ -374,6 +399,7 @@ class engine_sim {
   sim_config cfg_;
   std::mt19937_64 rng_;
   std::vector<sim_request> requests_;
+  std::vector<std::int64_t> family_prefix_;  ///< shared prompt prefix length of each family
   std::vector<kv_block> kv_;
   std::deque<std::int64_t> free_;
   std::map<std::pair<std::int64_t, std::int64_t>, std::int64_t> cache_;
