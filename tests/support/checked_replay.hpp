@@ -223,7 +223,10 @@ class checked_replay {
   /// @brief Builds the library for `config` (its constructor may fail: see the fault sweeps).
   /// With `keep_log`, every model change is logged so that a step an injected fault discards
   /// after the model filed it can be taken out again.
-  explicit checked_replay(routing_replay::replay_config config, bool keep_log = false)
+  /// With `engine_copy_stream`, strategies with a side stream copy on a stream the driver owns and
+  /// synchronizes before the object goes away, as an engine that owns its streams does.
+  explicit checked_replay(routing_replay::replay_config config, bool keep_log = false,
+                          bool engine_copy_stream = false)
     : config_(with_model_layers(std::move(config))),
       layers_(static_cast<std::int32_t>(config_.moe_layers.size())),
       row_elems_(static_cast<std::int64_t>(layers_) * config_.top_k),
@@ -234,7 +237,8 @@ class checked_replay {
       ids16_(source_elems_),
       physical_map_(static_cast<std::size_t>(physical_entries())),
       model_(new_model()),
-      keep_log_(keep_log)
+      keep_log_(keep_log),
+      engine_copy_stream_(engine_copy_stream && RR::copy_type::uses_side_stream)
   {
     engine::bulk_async(physical_entries(),
                        detail_checked::fill_physical_map{engine::data(physical_map_), physical_entries(),
@@ -242,7 +246,7 @@ class checked_replay {
                        stream_.ref());
     engine::synchronize(stream_.ref());
     fault_injector::call_scope call{"constructor"};
-    lib_.emplace(config_);
+    lib_.emplace(make_library());
   }
 
   checked_replay(const checked_replay&)            = delete;
@@ -250,13 +254,7 @@ class checked_replay {
 
   /// @brief Waits for the engine's stream before anything it reads or writes goes away: the CUDA
   /// backend's frees synchronize the device, the host backend's do not (the engine's own duty).
-  ~checked_replay()
-  {
-    try {
-      engine::synchronize(stream_.ref());
-    } catch (...) {  // a failed engine task was reported by the call it belonged to
-    }
-  }
+  ~checked_replay() { synchronize_engine(); }
 
   // ---- shape and queries used to generate calls --------------------------------------------------
 
@@ -528,11 +526,11 @@ class checked_replay {
     check_counters();
   }
 
-  /// @brief A whole clean step: every live request (up to the step's budget) at its cursor, every
-  /// layer written, a fresh block wherever a token enters a new one.
-  void natural_step(std::int32_t max_requests, std::int32_t tokens_each, std::int32_t drafts, std::uint32_t salt)
+  /// @brief Opens a clean step: every live request (up to `max_requests` and the step's budget) at
+  /// its cursor with `tokens_each` tokens of which `drafts` are drafts, slots of its own blocks, and
+  /// a fresh block wherever a token enters one. Returns whether the step opened.
+  bool natural_begin(std::int32_t max_requests, std::int32_t tokens_each, std::int32_t drafts)
   {
-    if (open_) { end_step(); }
     routing_replay::step_plan plan;
     std::deque<std::vector<std::int64_t>> slot_lists;
     std::vector<std::int64_t> fresh;
@@ -540,13 +538,13 @@ class checked_replay {
     for (const auto& key : live_keys()) {
       if (max_requests-- <= 0) { break; }
       const std::int64_t first = cursor(key);
-      const std::int32_t n = static_cast<std::int32_t>(std::min<std::int64_t>(
+      const auto n = static_cast<std::int32_t>(std::min<std::int64_t>(
         {tokens_each, config_.max_model_len - first, config_.max_tokens_per_step - rows}));
       if (n <= 0) { continue; }
       auto& slots = slot_lists.emplace_back();
       for (std::int64_t p = first; p < first + n; ++p) {
         slots.push_back(natural_slot(key, p));
-        if (p % config_.block_size == 0 || p == first) { fresh.push_back(slots.back() / config_.block_size); }
+        if (p % config_.block_size == 0) { fresh.push_back(slots.back() / config_.block_size); }
       }
       plan.schedule({key, first, n, std::clamp(drafts, 0, n - 1), slots});
       rows += n;
@@ -555,17 +553,41 @@ class checked_replay {
     fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
     plan.add_fresh_blocks(fresh);
     begin_step(plan);
-    if (!open_) { return; }
+    return open_.has_value();
+  }
+
+  /// @brief Writes every captured layer for the open step's rows, each through a path chosen by
+  /// `salt`; with a defect, layer slot 0 gets one bad id.
+  void write_all(std::uint32_t salt, write_spec::defect bad = write_spec::defect::none)
+  {
     for (std::int32_t l = 0; l < layers_; ++l) {
       write_spec w;
       w.via      = static_cast<write_spec::path>((salt + static_cast<std::uint32_t>(l)) % 3);
       w.layer    = w.via == write_spec::path::device_ref ? l : config_.moe_layers[static_cast<std::size_t>(l)];
-      w.num_rows = plan.num_rows();
+      w.num_rows = open_rows();
       w.salt     = salt;
       w.source_bits = 16 << (salt % 3);
+      if (l == 0) { w.bad = bad; }
       write(w);
     }
+  }
+
+  /// @brief A whole clean step (natural_begin, write_all, end_step); an open step is ended first.
+  void natural_step(std::int32_t max_requests, std::int32_t tokens_each, std::int32_t drafts, std::uint32_t salt)
+  {
+    if (open_) { end_step(); }
+    if (!natural_begin(max_requests, tokens_each, drafts)) { return; }
+    write_all(salt);
     end_step();
+  }
+
+  /// @brief Drafts of a live request's oldest unresolved group, -1 if none.
+  [[nodiscard]] std::int32_t pending_drafts(routing_replay::request_key id) const
+  {
+    const auto it = live_.find(id.to_string());
+    if (it == live_.end()) { return -1; }
+    const auto* g = oldest_pending(it->second);
+    return g == nullptr ? -1 : g->count;
   }
 
   /// @brief The KV slot natural plans use for a position: requests get disjoint block ranges.
@@ -781,9 +803,9 @@ class checked_replay {
   void replace()
   {
     trace("replace");
-    engine::synchronize(stream_.ref());  // the engine's own forwards write into the object's buffers
+    synchronize_engine();  // the engine's own forwards write into the object's buffers
     const auto before = counters();
-    const outcome out = invoke("replace", [&] { *lib_ = RR{config_}; });
+    const outcome out = invoke("replace", [&] { *lib_ = make_library(); });
     if (out.threw) {
       if (!out.faulted) { violation("constructing a replacement threw " + describe(out)); }
       if (counters() != before) { violation("a failed replacement changed the object"); }
@@ -792,6 +814,7 @@ class checked_replay {
     live_.clear();
     flights_.clear();
     open_.reset();
+    serial_ = 0;
     log_.clear();
     discarded_.clear();
     model_    = new_model();
@@ -903,6 +926,25 @@ class checked_replay {
   }
   [[nodiscard]] std::int64_t physical_entries() const noexcept { return config_.num_experts + 8; }
 
+  RR make_library()
+  {
+    if constexpr (RR::copy_type::uses_side_stream) {
+      if (engine_copy_stream_) { return RR{config_, copy_stream_.ref()}; }
+    }
+    return RR{config_};
+  }
+
+  // Waits for the engine's streams (a failed engine task was reported by the call it belonged to).
+  void synchronize_engine() noexcept
+  {
+    for (auto* s : {&stream_, &copy_stream_}) {
+      try {
+        engine::synchronize(s->ref());
+      } catch (...) {
+      }
+    }
+  }
+
   // num_model_layers 0 means one past the largest MoE layer (replay_config).
   static routing_replay::replay_config with_model_layers(routing_replay::replay_config c)
   {
@@ -940,7 +982,7 @@ class checked_replay {
     if (!trace_) { return; }
     std::ostringstream line;
     line << "[" << calls_ << "] " << op << "(";
-    const char* sep = "";
+    [[maybe_unused]] const char* sep = "";
     ((line << sep << args, sep = ", "), ...);
     line << ")";
     std::fprintf(stderr, "%s\n", line.str().c_str());
@@ -1158,6 +1200,10 @@ class checked_replay {
     if (after > before + pushed) { violation("more steps in flight after the call than before"); }
     std::size_t filed = before + pushed - after;
     if (filed > flights_.size()) { violation("the library filed steps it never had"); }
+    if (trace_ && filed > 0) {
+      std::fprintf(stderr, "    filed %zu step(s) from serial %llu; %zu in flight\n", filed,
+                   static_cast<unsigned long long>(flights_.front().serial), after);
+    }
     bool consumed = false;
     while (filed-- > 0) {
       const flight f = flights_.front();
@@ -1703,6 +1749,7 @@ class checked_replay {
   typename engine::template device_vector<std::int32_t> physical_map_;
   model_type model_;
   bool keep_log_;
+  bool engine_copy_stream_;
   std::vector<log_entry> log_;
   std::set<std::uint64_t> discarded_;
   bool diverged_       = false;
@@ -1719,6 +1766,7 @@ class checked_replay {
   std::int64_t rows_compared_  = 0;
   std::vector<index> last_export_;
   outcome last_;
+  typename engine::stream copy_stream_;  // outlives the object, which may copy on it
   std::optional<RR> lib_;
   // last: destroyed first, so the engine's queued work finishes before the object and the buffers
   // it writes go away (the host backend drains a stream when it is destroyed)
