@@ -201,12 +201,12 @@ sweep_result sweep(fault_source source)
 template <class RR>
 void report(const sweep_result& r, const char* what)
 {
-  MESSAGE(what << ": " << r.points << " failure points, " << r.fired << " faults injected, "
-               << r.failures.size() << " contract failures");
+  MESSAGE(std::string{what} << ": " << r.points << " failure points, " << r.fired << " faults injected, "
+               << r.failures.size() << " contract failures (known core bugs included)");
   CHECK(r.points > 0);
   CHECK(r.fired > 0);
   for (const auto& f : r.failures) {
-    if (f.rfind("[known]", 0) != 0) { FAIL_CHECK(f); }
+    if (f.rfind("[known ", 0) != 0) { FAIL_CHECK(f); }
   }
 }
 
