@@ -14,6 +14,7 @@
 #include <deque>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,8 @@ struct sim_config {
   double p_skip                    = 0.25;  ///< per step: tokens of a request that did not opt in
   double p_string_id               = 0.4;   ///< a request is named by a string
   bool random_eviction             = false; ///< allocate any free block, not the least recent
+  std::int64_t prompt_extra        = 40;    ///< prompt tokens past the family prefix: up to this
+  std::int64_t max_output          = 24;    ///< output tokens: 2 to this
   bool endless                     = false; ///< finished and aborted requests come back as new
                                             ///< ones (new ids): a soak never runs out of work
 };
@@ -166,6 +169,7 @@ class engine_sim {
     }
 
     std::int64_t budget = cfg_.max_tokens_per_step;
+    std::set<std::int64_t> step_slots;  // a KV slot is written once per step
     for (const std::int32_t number : running_) {
       auto& r = requests_[static_cast<std::size_t>(number)];
       std::int64_t n = 0;
@@ -181,6 +185,12 @@ class engine_sim {
         if (n > budget) { continue; }
       }
       if (n <= 0 || !ensure_blocks(r, r.computed + n, s)) { continue; }
+      // two requests whose prompts are the same fully cached blocks both recompute their last
+      // prompt token into the same shared slot: the second waits for the next step
+      bool collides = false;
+      for (std::int64_t p = r.computed; p < r.computed + n; ++p) { collides |= step_slots.count(slot_of(r, p)) != 0; }
+      if (collides) { continue; }
+      for (std::int64_t p = r.computed; p < r.computed + n; ++p) { step_slots.insert(slot_of(r, p)); }
       if (chance(cfg_.p_skip) && budget - n >= 3) {
         const auto k = static_cast<std::int32_t>(uniform(1, 3));
         s.plan.skip(k);
@@ -289,8 +299,8 @@ class engine_sim {
     r.shared_len = family_prefix_[static_cast<std::size_t>(r.family)];
     // some prompts are exactly the shared prefix: a full prefix hit then recomputes the last
     // prompt token into a block another request filled
-    r.prompt_len   = r.shared_len + (chance(0.2) ? 0 : uniform(1, 40));
-    r.total_len    = std::min<std::int64_t>(r.prompt_len + uniform(2, 24), cfg_.max_model_len);
+    r.prompt_len   = r.shared_len + (chance(0.2) ? 0 : uniform(1, cfg_.prompt_extra));
+    r.total_len    = std::min<std::int64_t>(r.prompt_len + uniform(2, cfg_.max_output), cfg_.max_model_len);
     r.arrival_step = first_arrival + uniform(0, 25);
   }
 
