@@ -7,7 +7,10 @@
 # - the host tests (every policy combination, every copy strategy) under ThreadSanitizer: the host
 #   backend's streams are real threads, so the pipeline's ordering is checked there; with them the
 #   numpy round trip and the compile-fail check;
-# - the scenario, error and pipeline tests again under AddressSanitizer + UBSan;
+# - the scenario, error and pipeline tests again under AddressSanitizer + UBSan, and the fault
+#   injection sweeps (every backend operation, device/pinned and host allocation fails once);
+# - the short soak (every copy strategy, 100000 steps in all, memory flat) in the -O1 build;
+# - the fuzzer for 2 minutes (clang, its own build: scripts/fuzz.sh);
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct) and the demo on a small run.
 set -euo pipefail
@@ -18,9 +21,12 @@ pip_install numpy numpy
 
 echo "== build: GPU tests, demo, benchmarks (-O1)"
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O1" >/dev/null
-cmake --build build/ci -j "$(build_jobs)" --target gpu_tests engine_loop engine_loop_bench host_path_bench device_bench
+cmake --build build/ci -j "$(build_jobs)" --target gpu_tests engine_loop engine_loop_bench host_path_bench device_bench soak
 echo "== GPU and packaging tests"
 ctest --test-dir build/ci --output-on-failure -L "gpu|packaging"
+echo "== soak (short): every copy strategy, 100000 steps in all, memory flat after warm-up"
+build/ci/tests/soak --steps 100000 >build/ci/soak.log 2>&1 || { cat build/ci/soak.log; exit 1; }
+grep '"soak"' build/ci/soak.log
 
 echo "== host tests under ThreadSanitizer"
 # -O1 -g1: the usual sanitizer trade-off, and a much faster build of the template-heavy tests
@@ -30,12 +36,15 @@ cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1
 cmake --build build/tsan -j "$(build_jobs)" --target host_tests
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir build/tsan --output-on-failure -L host
 
-echo "== scenario, error and pipeline tests under AddressSanitizer + UBSan"
+echo "== scenario, error and pipeline tests, fault injection, under AddressSanitizer + UBSan"
 cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" -DROUTING_REPLAY_SANITIZE=ON \
   -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build/asan -j "$(build_jobs)" --target host_core_tests
+cmake --build build/asan -j "$(build_jobs)" --target host_core_tests fault_tests
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build/asan/tests/host_core_tests
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build/asan --output-on-failure -L faults
+
+scripts/fuzz.sh 120
 
 scripts/packaging_check.sh
 echo "== every public entity documented (doxygen)"
