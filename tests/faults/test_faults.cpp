@@ -10,220 +10,29 @@
 // or its step discarded), that the rest of the schedule agrees with the reference model, and the
 // final state; ASan and LSan (CI builds this under them) check that nothing leaks or is used after
 // it is freed; a deadline checks that nothing hangs, destruction included.
-#include "../support/checked_replay.hpp"
-#include "../support/deadline.hpp"
 #include "../support/fault_backend.hpp"
 #include "../support/fault_host_allocations.hpp"
+#include "../support/fault_sweep.hpp"
 #include "../support/strategy_lists.hpp"
 
 #include <routing_replay/routing_replay.hpp>
 
 #include <doctest/doctest.h>
 
-#include <chrono>
-#include <cstdint>
-#include <cstdlib>
-#include <set>
-#include <string>
-#include <tuple>
-#include <vector>
-
 namespace rr = routing_replay;
-using rr_test::checked_replay;
-using rr_test::fault_injector;
 using rr_test::fault_source;
 using faulty_host = rr_test::faulty_backend<rr::host_backend>;
-
-namespace {
-
-rr::replay_config fault_config()
-{
-  rr::replay_config c;
-  c.num_experts              = 16;
-  c.top_k                    = 2;
-  c.num_fused_shared_experts = 1;
-  c.max_tokens_per_step      = 8;
-  c.max_model_len            = 32;
-  c.moe_layers               = {1, 2};
-  c.num_model_layers         = 3;
-  c.block_size               = 4;
-  c.num_blocks               = 16;
-  return c;
-}
-
-// Resolves every pending draft group, keeping up to `keep` drafts of each.
-template <class RR>
-void accept_pending(checked_replay<RR>& d, std::int32_t keep)
-{
-  for (const auto& key : d.live_keys()) {
-    const std::int32_t count = d.pending_drafts(key);
-    if (count >= 0) { d.accept_draft(key, std::min(keep, count)); }
-  }
-}
-
-/// The schedule every failure point is injected into.
-template <class RR>
-void fault_schedule(checked_replay<RR>& d)
-{
-  const std::vector<std::int64_t> none;
-  d.add_request(1, 3, none);
-  d.add_request("s", -1, none);
-  d.natural_step(2, 3, 0, 1);  // prefill
-  d.natural_step(2, 3, 2, 2);  // decode: a token and two drafts each
-  accept_pending(d, 1);
-  d.natural_step(2, 1, 0, 3);
-
-  rr_test::write_spec warm_up;  // a forward outside any step (warm-up, graph recording)
-  warm_up.layer    = 1;
-  warm_up.num_rows = 4;
-  d.write(warm_up);
-  d.reset_device_buffer();
-
-  if (d.natural_begin(2, 1, 0)) {  // an id outside [0, E): the step is discarded when filed
-    d.write_all(4, rr_test::write_spec::defect::above_range);
-    d.end_step();
-  }
-  d.extract(1, {});
-  d.recorded_rows("s");
-  d.extract_into("s", {}, 0);
-
-  const std::vector<std::int64_t> cached = {d.natural_slot(1, 0), d.natural_slot(1, 1)};
-  d.add_request(3, 2, cached);  // a prefix hit on request 1's blocks
-  d.natural_step(3, 2, 1, 5);
-  accept_pending(d, 0);
-  if (d.natural_begin(3, 1, 0)) {  // an abort while the step that schedules it is open
-    d.abort("s");
-    d.write_all(6);
-    d.end_step();
-  }
-  d.release(1);
-  const std::int64_t from[] = {0, 1};
-  const std::int64_t to[]   = {10, 11};
-  d.export_blocks(from, 0);
-  d.copy_blocks(from, to);
-  d.import_blocks(std::span<const std::int64_t>{to, 1}, 0, 2);
-  d.natural_step(1, 1, 0, 7);
-  d.move_round_trip();
-  d.drain();
-  d.check_everything();
-
-  d.replace();  // a new object assigned over this one, steps in flight and all
-  d.add_request(9, -1, none);
-  d.natural_step(1, 2, 0, 8);
-  d.check_everything();
-}
-
-/// A failure the core is known to have (CORE-BUG-n in docs/reliability.md): the failure point's
-/// site and a fragment of the violation. Each has a test of its own in test_core_bugs.cpp, skipped
-/// until the integrator applies its patch; remove the entry with the fix.
-struct known_core_bug {
-  const char* site;     ///< fragment of the failure point ("copy_async in end_step")
-  const char* symptom;  ///< fragment of the violation
-  const char* id;
-};
-const known_core_bug known_core_bugs[] = {
-  // a failed enqueue in end_step leaves the failed step's work queued and its traces in the ring
-  // slot's status, in D and in the capture status: the slot's next step is reported with the failed
-  // step's problem, or has its own problem erased by the failed step's queued status reset
-  {"in end_step", "was clean but was reported", "CORE-BUG-2"},
-  {"in end_step", "had a device-detected problem", "CORE-BUG-2"},
-  // a failed host allocation in add_request leaves the request registered (or its handle lost)
-  {"operator new in add_request", "", "CORE-BUG-4"},
-  // a failed host allocation in begin_step leaves part of the step applied: the step serial moved
-  // on, some requests grew, draft groups of a step that never opened, fresh blocks applied, claims
-  {"operator new in begin_step", "", "CORE-BUG-5"},
-  // a failed host allocation in release or abort (the free-handle list) after the request was
-  // already forgotten
-  {"operator new in release", "", "CORE-BUG-6"},
-  {"operator new in abort", "", "CORE-BUG-6"},
-};
-
-const char* known_bug(const std::string& site, const std::string& failure)
-{
-  for (const auto& b : known_core_bugs) {
-    if (site.find(b.site) != std::string::npos && failure.find(b.symptom) != std::string::npos) { return b.id; }
-  }
-  return nullptr;
-}
-
-struct sweep_result {
-  std::uint64_t points = 0;  ///< failure points of a clean run
-  std::uint64_t fired  = 0;  ///< runs in which the fault fired
-  std::vector<std::string> failures;
-};
-
-/// Runs the schedule once per failure point of `source`, each time with that one failing.
-template <class RR>
-sweep_result sweep(fault_source source)
-{
-  auto& injector = fault_injector::get();
-  sweep_result result;
-  injector.arm(source, fault_injector::count_only);
-  {
-    checked_replay<RR> d{fault_config(), true, true};
-    fault_schedule(d);
-  }
-  result.points = injector.count();
-  // RR_FAULT_POINT=k reruns one failure point with every call traced (to read a failure)
-  const char* only        = std::getenv("RR_FAULT_POINT");
-  const std::uint64_t one = only != nullptr ? std::strtoull(only, nullptr, 10) : 0;
-  for (std::uint64_t k = one != 0 ? one : 1; k <= (one != 0 ? one : result.points); ++k) {
-    injector.arm(source, k);
-    std::string failure;
-    rr_test::within_deadline(std::chrono::seconds(60), "failure point " + std::to_string(k), [&] {
-      try {
-        checked_replay<RR> d{fault_config(), true, true};
-        d.set_trace(one != 0);
-        fault_schedule(d);
-      } catch (const rr_test::contract_violation& v) {
-        failure = v.what();
-      } catch (const rr::error& e) {  // only the constructor may fail outside a checked call
-        if (injector.fired_kind() != rr_test::fault_kind::create) { failure = std::string{"unexpected: "} + e.what(); }
-      } catch (const std::bad_alloc&) {
-        if (injector.fired_op().find("in constructor") == std::string::npos &&
-            injector.fired_op().find("in construction") == std::string::npos) {
-          failure = "std::bad_alloc escaped from " + injector.fired_op();
-        }
-      }
-    });
-    result.fired += injector.fired();
-    if (!failure.empty()) {
-      const std::string site = injector.fired_op();
-      const char* bug        = known_bug(site, failure);
-      result.failures.push_back((bug != nullptr ? std::string{"[known "} + bug + "] " : std::string{}) + site +
-                                " (point " + std::to_string(k) + "): " + failure);
-    }
-  }
-  injector.disarm();
-  return result;
-}
-
-template <class RR>
-void report(const sweep_result& r, const char* what)
-{
-  MESSAGE(std::string{what} << ": " << r.points << " failure points, " << r.fired << " faults injected, "
-               << r.failures.size() << " contract failures (known core bugs included)");
-  CHECK(r.points > 0);
-  CHECK(r.fired > 0);
-  for (const auto& f : r.failures) {
-    if (f.rfind("[known ", 0) != 0) { FAIL_CHECK(f); }
-  }
-}
-
-}  // namespace
 
 TEST_CASE_TEMPLATE_DEFINE("every backend operation and device/pinned allocation fails once: documented state, no leak, no hang",
                           RR, backend_faults)
 {
-  const auto r = sweep<RR>(fault_source::backend);
-  report<RR>(r, "backend");
+  rr_test::check_sweep(rr_test::sweep<RR>(fault_source::backend), "backend");
 }
 TEST_CASE_TEMPLATE_APPLY(backend_faults, rr_test::one_per_strategy<faulty_host>);
 
 TEST_CASE_TEMPLATE_DEFINE("every host allocation inside a library call fails once: strong guarantee, no leak, no hang",
                           RR, host_allocation_faults)
 {
-  const auto r = sweep<RR>(fault_source::host_new);
-  report<RR>(r, "host allocations");
+  rr_test::check_sweep(rr_test::sweep<RR>(fault_source::host_new), "host allocations");
 }
 TEST_CASE_TEMPLATE_APPLY(host_allocation_faults, rr_test::one_per_strategy<faulty_host>);
