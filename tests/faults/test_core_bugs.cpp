@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -77,6 +78,20 @@ TEST_CASE("CORE-BUG-1: a declared padding past max_tokens_per_step is refused" *
   expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::too_many_tokens, {"9"});
   s.step(plan_for(1, 0, 2, slots), 1);
   CHECK(s.rr().recorded_rows(1) == 2);
+}
+
+// CORE-BUG-8: begin_step checks `first_position + num_tokens > max_model_len`, which overflows for
+// a first position near INT64_MAX (undefined behaviour; in practice it wraps negative and passes):
+// the plan is accepted and rows are claimed at a position far past any storage.
+TEST_CASE("CORE-BUG-8: a position near INT64_MAX is refused, not wrapped" * doctest::skip())
+{
+  small_replay<host_sync> s;
+  std::vector<std::int64_t> slots = {0, 1, 2};
+  s.rr().add_request(1);
+  rr::step_plan plan;
+  plan.schedule({1, std::numeric_limits<std::int64_t>::max() - 1, 3, 0, slots});
+  expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::position_out_of_range, {"max_model_len"});
+  CHECK(s.rr().host_bytes() == 0);
 }
 
 // CORE-BUG-2 (a): the status of a step whose end_step failed while enqueuing its copy is never

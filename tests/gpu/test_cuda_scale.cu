@@ -37,23 +37,17 @@ using scale_types =
              rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::double_buffered<2>, rr::block_slot_storage>,
              rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>, rr::block_slot_storage>>;
 
-/// The engine at scale: up to 32 requests running, prompts of up to ~2000 tokens in chunks of up
-/// to 8192 rows a step, outputs of up to 256, drafts, preemption, prefix hits, aborts.
+/// The host soak's engine at scale: prompts of up to ~2000 tokens in chunks of up to 8192 rows a
+/// step, outputs of up to 256, on a pool for 32 running requests.
 rr_test::sim_config scale_schedule()
 {
-  rr_test::sim_config c;
+  auto c                = rr_test::soak_schedule();
   c.max_tokens_per_step = 8192;
   c.max_model_len       = 4096;
-  c.block_size          = 16;
   c.num_blocks          = 6144;
   c.num_requests        = 64;
-  c.max_running         = 32;
-  c.families            = 4;
   c.prompt_extra        = 2000;
   c.max_output          = 256;
-  c.p_preempt           = 0.02;
-  c.p_abort             = 0.01;
-  c.endless             = true;
   return c;
 }
 

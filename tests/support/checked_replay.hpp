@@ -104,82 +104,15 @@ struct write_spec {
 
 namespace detail_checked {
 
-/// @brief The id a write puts at (row, column): a pure function, evaluated the same way on the
-/// device (by the engine's "kernels") and on the host (by the prediction).
-ROUTING_REPLAY_HOST_DEVICE inline std::int64_t write_value(std::uint32_t salt, std::int32_t layer,
-                                                           std::int64_t row, std::int32_t column,
-                                                           std::int32_t top_k, std::int64_t modulo,
-                                                           std::int64_t bad_cell, std::int64_t bad_value) noexcept
-{
-  if (row * top_k + column == bad_cell) { return bad_value; }
-  return routed_expert(row_meta{static_cast<std::int64_t>(salt), row, 0}, layer, column, modulo);
-}
-
-/// @brief The engine's router output for capture(): [offset + rows, stride] ids of `Source`.
-template <class Source>
-struct write_source {
-  Source* out;
-  std::int64_t stride;
-  std::int64_t offset;
-  std::int32_t top_k;
-  std::int32_t layer;
+/// @brief Fills the rows' metadata of one write: row i is "request" `salt`, position i, so its ids
+/// are a pure function of (salt, layer, row, column) that the prediction evaluates on the host.
+struct salted_rows {
+  row_meta* meta;
   std::uint32_t salt;
-  std::int64_t modulo;
-  std::int64_t bad_cell;
-  std::int64_t bad_value;
 
-  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t row) const noexcept
   {
-    const std::int64_t row = i / stride;
-    const auto column      = static_cast<std::int32_t>(i % stride);
-    // columns past K (fused shared experts, padding) hold an id capture() must never read
-    const std::int64_t v = column < top_k
-                             ? write_value(salt, layer, row, column, top_k, modulo, bad_cell, bad_value)
-                             : modulo + 1000;
-    out[(offset + row) * stride + column] = static_cast<Source>(v);
-  }
-};
-
-/// @brief A "fused MoE kernel" writing through a layer view.
-template <class View>
-struct write_view {
-  View view;
-  std::int32_t top_k;
-  std::int32_t layer;
-  std::uint32_t salt;
-  std::int64_t num_experts;
-  std::int64_t bad_cell;
-  std::int64_t bad_value;
-
-  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
-  {
-    const std::int64_t row = i / top_k;
-    const auto column      = static_cast<std::int32_t>(i % top_k);
-    view(row, column) = static_cast<typename View::value_type>(
-      write_value(salt, layer, row, column, top_k, num_experts, bad_cell, bad_value));
-  }
-};
-
-/// @brief An engine's top-k kernel recording through a device reference; with `past_end`, one more
-/// record one row past the rows it was handed.
-template <class Ref>
-struct record_ref {
-  Ref ref;
-  std::int32_t top_k;
-  std::int32_t layer_slot;
-  std::int64_t rows;
-  std::uint32_t salt;
-  std::int64_t num_experts;
-  std::int64_t bad_cell;
-  std::int64_t bad_value;
-
-  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
-  {
-    const std::int64_t row = i / top_k;
-    const auto column      = static_cast<std::int32_t>(i % top_k);
-    const std::int64_t id  = row < rows ? write_value(salt, layer_slot, row, column, top_k, num_experts, bad_cell, bad_value)
-                                        : 0;
-    ref.record(layer_slot, static_cast<std::int32_t>(row), column, id);
+    meta[row] = row_meta{static_cast<std::int64_t>(salt), row, 0};
   }
 };
 
@@ -236,6 +169,7 @@ class checked_replay {
       ids32_(source_elems_),
       ids16_(source_elems_),
       physical_map_(static_cast<std::size_t>(physical_entries())),
+      meta_(static_cast<std::size_t>(config_.max_tokens_per_step) + 1),
       model_(new_model()),
       keep_log_(keep_log),
       engine_copy_stream_(engine_copy_stream && RR::copy_type::uses_side_stream)
@@ -465,7 +399,9 @@ class checked_replay {
     }
     const std::int64_t rows = std::clamp<std::int64_t>(w.num_rows, 0, config_.max_tokens_per_step);
     const std::int64_t bad  = bad_value(w);
-    bool accepted           = false;
+    const row_meta* meta    = engine::data(meta_);
+    engine::bulk_async(rows + 1, detail_checked::salted_rows{engine::data(meta_), w.salt}, stream_.ref());
+    bool accepted = false;
     switch (w.via) {
       case write_spec::path::capture:
         accepted = capture(w, expect, rows, bad);
@@ -474,18 +410,18 @@ class checked_replay {
         accepted = run_checked("layer_view", expect, false, [&] {
           auto view = lib_->layer_view(w.layer, w.num_rows);
           engine::bulk_async(rows * config_.top_k,
-                             detail_checked::write_view<decltype(view)>{view, config_.top_k, w.layer, w.salt,
-                                                                        config_.num_experts, cell_of(w), bad},
+                             write_layer_view<decltype(view)>{meta, view, config_.top_k, w.layer, config_.num_experts,
+                                                              cell_of(w), bad},
                              stream_.ref());
         });
         break;
       case write_spec::path::device_ref:
         accepted = run_checked("ref", expect, false, [&] {
           auto ref = lib_->ref(w.num_rows);
-          const std::int64_t past = w.bad == write_spec::defect::out_of_bounds ? 1 : 0;
+          const std::int64_t past = w.bad == write_spec::defect::out_of_bounds ? 1 : 0;  // one row past it
           engine::bulk_async((rows + past) * config_.top_k,
-                             detail_checked::record_ref<decltype(ref)>{ref, config_.top_k, w.layer, rows, w.salt,
-                                                                       config_.num_experts, cell_of(w), bad},
+                             record_through_ref<decltype(ref)>{meta, ref, config_.top_k, w.layer, config_.num_experts,
+                                                               cell_of(w), bad},
                              stream_.ref());
         });
         break;
@@ -750,9 +686,10 @@ class checked_replay {
         rows[i] = i < last_export_.size() && salt % 2 == 0
                     ? last_export_[i]
                     : (row % 5 == 3 ? traits::sentinel
-                                    : static_cast<index>(detail_checked::write_value(
-                                        salt, 0, row, static_cast<std::int32_t>(i % static_cast<std::size_t>(row_elems_)),
-                                        1, config_.num_experts, -1, 0)));
+                                    : static_cast<index>(routed_expert(
+                                        row_meta{static_cast<std::int64_t>(salt), row, 0}, 0,
+                                        static_cast<std::int32_t>(i % static_cast<std::size_t>(row_elems_)),
+                                        config_.num_experts)));
       }
       auto expect = predict_transfer(blocks, static_cast<std::int64_t>(rows.size()) < need);
       if (!transfer("import_blocks", expect, [&] { lib_->import_blocks(blocks, rows); })) { return; }
@@ -1632,8 +1569,8 @@ class checked_replay {
       using source = std::remove_pointer_t<decltype(buffer)>;
       if (stride <= source_width()) {  // an engine never writes past its own buffer
         engine::bulk_async(rows * row_len,
-                           detail_checked::write_source<source>{buffer, row_len, offset, config_.top_k, w.layer,
-                                                                w.salt, modulo, cell_of(w), bad},
+                           write_router_output<source>{engine::data(meta_), buffer + offset * row_len, row_len,
+                                                       config_.top_k, w.layer, modulo, cell_of(w), bad},
                            stream_.ref());
       }
       return run_checked("capture", expect, false, [&] {
@@ -1649,6 +1586,14 @@ class checked_replay {
       case 32: return run(engine::data(ids32_));
       default: return run(engine::data(ids64_));
     }
+  }
+
+  // The id a write puts at (row, column), as its kernels compute it.
+  [[nodiscard]] std::int64_t predicted(const write_spec& w, std::int64_t row, std::int32_t column,
+                                       std::int64_t modulo, std::int64_t bad) const noexcept
+  {
+    return routed_or_bad(row_meta{static_cast<std::int64_t>(w.salt), row, 0}, w.layer, row, column, config_.top_k,
+                         modulo, cell_of(w), bad);
   }
 
   // The cells a write leaves in the open step, and what it reports.
@@ -1682,7 +1627,7 @@ class checked_replay {
         const std::int64_t modulo = w.physical ? physical_entries() - 1 : e;
         for (std::int64_t r = 0; r < rows; ++r) {
           for (std::int32_t c = 0; c < k; ++c) {
-            std::int64_t id = narrow(detail_checked::write_value(w.salt, w.layer, r, c, k, modulo, cell_of(w), bad));
+            std::int64_t id = narrow(predicted(w, r, c, modulo, bad));
             if (w.physical) {
               id = id >= 0 && id < physical_entries()
                      ? (id + 1 < physical_entries() ? (id * 7 + 3) % e : -1)
@@ -1698,7 +1643,7 @@ class checked_replay {
           std::find(config_.moe_layers.begin(), config_.moe_layers.end(), w.layer) - config_.moe_layers.begin());
         for (std::int64_t r = 0; r < rows; ++r) {
           for (std::int32_t c = 0; c < k; ++c) {
-            const auto v = static_cast<index>(detail_checked::write_value(w.salt, w.layer, r, c, k, e, cell_of(w), bad));
+            const auto v = static_cast<index>(predicted(w, r, c, e, bad));
             cell(slot, r, c) = v == traits::sentinel ? cell_sentinel
                                                      : (traits::is_valid(static_cast<std::int64_t>(v), e)
                                                           ? static_cast<std::int64_t>(v)
@@ -1713,7 +1658,7 @@ class checked_replay {
         if (w.layer < 0 || w.layer >= layers_) { break; }
         for (std::int64_t r = 0; r < rows; ++r) {
           for (std::int32_t c = 0; c < k; ++c) {
-            record(w.layer, r, c, detail_checked::write_value(w.salt, w.layer, r, c, k, e, cell_of(w), bad));
+            record(w.layer, r, c, predicted(w, r, c, e, bad));
           }
         }
         break;
@@ -1747,6 +1692,7 @@ class checked_replay {
   typename engine::template device_vector<std::int32_t> ids32_;
   typename engine::template device_vector<std::int16_t> ids16_;
   typename engine::template device_vector<std::int32_t> physical_map_;
+  typename engine::template device_vector<row_meta> meta_;  // the rows of the write being issued
   model_type model_;
   bool keep_log_;
   bool engine_copy_stream_;

@@ -10,6 +10,7 @@
 #include "checked_replay.hpp"
 #include "deadline.hpp"
 #include "fault_injection.hpp"
+#include "small_replay.hpp"
 
 #include <routing_replay/routing_replay.hpp>
 
@@ -26,19 +27,13 @@
 
 namespace rr_test {
 
-/// @brief The configuration the sweep runs.
+/// @brief The configuration the sweep runs: small_replay's shape (model layer 0 dense, K = 2 plus
+/// a shared expert, N_max 8) with room for more experts and blocks.
 inline routing_replay::replay_config fault_config()
 {
-  routing_replay::replay_config c;
-  c.num_experts              = 16;
-  c.top_k                    = 2;
-  c.num_fused_shared_experts = 1;
-  c.max_tokens_per_step      = 8;
-  c.max_model_len            = 32;
-  c.moe_layers               = {1, 2};
-  c.num_model_layers         = 3;
-  c.block_size               = 4;
-  c.num_blocks               = 16;
+  auto c        = small_config();
+  c.num_experts = 16;
+  c.num_blocks  = 16;
   return c;
 }
 

@@ -49,21 +49,18 @@ struct soak_result {
 /// that reallocates blocks, prefix hits within families.
 inline sim_config soak_schedule()
 {
-  sim_config c;
-  c.max_tokens_per_step = 256;
-  c.max_model_len       = 512;
-  c.block_size          = 16;
-  c.num_blocks          = 640;
-  c.num_requests        = 48;
-  c.max_running         = 32;
-  c.max_drafts          = 3;
-  c.families            = 4;
-  c.prompt_extra        = 300;
-  c.max_output          = 150;
-  c.p_preempt           = 0.03;
-  c.p_abort             = 0.01;
-  c.endless             = true;
-  return c;
+  return sim_config{.max_tokens_per_step = 256,
+                    .max_model_len       = 512,
+                    .block_size          = 16,
+                    .num_blocks          = 640,
+                    .num_requests        = 48,
+                    .max_running         = 32,
+                    .families            = 4,
+                    .p_preempt           = 0.03,
+                    .p_abort             = 0.01,
+                    .prompt_extra        = 300,
+                    .max_output          = 150,
+                    .endless             = true};
 }
 
 /// @brief Runs `steps` steps of `sim` on a fresh RR; warm-up is the first fifth of the run (every
