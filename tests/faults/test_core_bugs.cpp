@@ -94,6 +94,23 @@ TEST_CASE("CORE-BUG-8: a position near INT64_MAX is refused, not wrapped" * doct
   CHECK(s.rr().host_bytes() == 0);
 }
 
+// CORE-BUG-9: a step that hands out no rows (N = 0, no capture path given rows) skips the
+// end-of-step kernel, so what the capture paths reported during it (a device_ref::record outside
+// the buffer) is neither reported for that step nor cleared: the next, clean step is discarded for
+// it. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-9-empty-step-report).
+TEST_CASE("CORE-BUG-9: a record outside the buffer in an empty step is reported for that step" * doctest::skip())
+{
+  small_replay<host_sync> s;
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  s.rr().begin_step(rr::step_plan{}, s.stream());  // no rows
+  auto ref = s.rr().ref(0);
+  rr::host_backend::bulk_async(1, rr_test::record_past_the_end<decltype(ref)>{ref}, s.stream());
+  expect_error([&] { s.end_step(); }, rr::errc::invalid_argument, {"step 1", "outside the buffer"});
+  s.step(plan_for(1, 0, 2, slots), 1);  // a clean step
+  CHECK(s.rr().recorded_rows(1) == 2);
+}
+
 // CORE-BUG-2 (a): the status of a step whose end_step failed while enqueuing its copy is never
 // reset: the ring slot's next step inherits its problem and is discarded for it.
 TEST_CASE("CORE-BUG-2a: a step whose status reset failed to enqueue does not poison the next one" * doctest::skip())
