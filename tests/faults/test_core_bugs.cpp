@@ -301,10 +301,11 @@ TEST_CASE("CORE-BUG-7: destroying the object waits for its work on the engine's 
   std::vector<int> gate(1, 0);
   std::vector<std::int64_t> ids(8 * 3, 2);
   rr::host_backend::bulk_async(1, rr_test::wait_for_gate{gate.data()}, compute.ref());
+  std::thread opener = open_gate_after(gate, std::chrono::milliseconds(300));
   {
     host_sync r{rr_test::small_config()};
     r.capture(1, ids.data(), 8, compute.ref());  // a warm-up capture, queued behind the gate
-  }
-  cuda::atomic_ref<int, cuda::thread_scope_system>{gate[0]}.store(1);
+  }  // as on CUDA, freeing D waits for the capture (which waits for the gate)
+  opener.join();
   rr::host_backend::synchronize(compute.ref());
 }
