@@ -36,11 +36,11 @@ status=0
 "$fuzzer" -max_total_time="$seconds" -len_control=0 -max_len=1024 -timeout=30 -rss_limit_mb=4096 \
   -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ "$@" build/fuzz/corpus tests/fuzz/corpus >"$log" 2>&1 ||
   status=$?
-# figures: executions, rate, coverage (edges) and features at the end
-done_line=$(grep -E '^#[0-9]+ +DONE' "$log" | tail -n 1 || true)
+# figures: executions, rate, coverage (edges, "cov") and features ("ft") at the end
 execs=$(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}' || true)
 rate=$(grep -E '^stat::average_exec_per_sec' "$log" | awk '{print $2}' || true)
-echo "fuzz: ${execs:-?} executions in ${seconds}s (${rate:-?}/s); ${done_line:-no final line}"
+coverage=$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+' "$log" | tail -n 1 || true)
+echo "fuzz: ${execs:-?} executions (${rate:-?}/s), ${coverage:-no coverage line}"
 if [ "$status" -ne 0 ]; then
   grep -E 'contract violation|ERROR: |runtime error|SUMMARY|policies:' "$log" | head -n 20 || true
   echo "FINDING: the input is in build/fuzz/findings/; reproduce with:"

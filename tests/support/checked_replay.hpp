@@ -19,9 +19,10 @@
 /// - block-slot storage, deferred strategies: a step with a device-detected problem keeps its claims
 ///   until it is filed, so steps planned meanwhile may defer to them (docs/design.md section 7). The
 ///   driver files such a step (drain) before it plans, binds a prefix or resolves drafts;
-/// - block-slot storage claims a step's rows when it begins, the model when it ends: prefix
-///   bindings of a request that the open step schedules take effect in the model after the step,
-///   and so does dropping a request aborted during the step (its rows still land at their slots).
+/// - block-slot storage claims a step's rows when it begins, the model when it ends: dropping a
+///   request aborted during the step takes effect in the model after the step (its rows still land
+///   at their slots), and the driver binds prefixes only to requests the open step does not
+///   schedule (an engine binds a prefix when it admits a request, before it schedules it).
 ///
 /// An injected fault (fault_injection.hpp) that fires inside a call is checked against the state
 /// the documentation promises for that call: unchanged for every call but the ones that file
@@ -273,6 +274,9 @@ class checked_replay {
       expect.insert(routing_replay::errc::unknown_request);
     } else {
       check_cached(cached, expect);
+      if (slot_storage && expect.empty() && scheduled_in_open_step(it->second)) {
+        return;  // an engine binds a prefix when it (re)admits a request, before it schedules it
+      }
     }
     remember(id);
     if (!run_checked("add_cached_prefix", expect, false, [&] { lib_->add_cached_prefix(id, cached); })) {
@@ -282,12 +286,7 @@ class checked_replay {
     r.cursor = std::max(r.cursor, static_cast<std::int64_t>(cached.size()));
     const std::vector<std::int64_t> slots(cached.begin(), cached.end());
     const auto key = model_key(r);
-    auto bind      = [key, slots](model_type& m) { m.add_cached_prefix(key, slots); };
-    if (slot_storage && scheduled_in_open_step(r)) {
-      open_->after_filing.push_back(bind);  // the step's claims were made before the binding
-    } else {
-      apply(bind);
-    }
+    apply([key, slots](model_type& m) { m.add_cached_prefix(key, slots); });
   }
 
   void release(routing_replay::request_key id)
@@ -822,7 +821,6 @@ class checked_replay {
     bool invalid_id    = false;       ///< capture or record saw an id outside [0, E)
     bool out_of_bounds = false;       ///< a record outside the buffer
     std::vector<std::string> zombies; ///< model keys of requests aborted during the step
-    std::vector<std::function<void(model_type&)>> after_filing;
   };
   struct flight {
     std::uint64_t serial;
@@ -1256,7 +1254,6 @@ class checked_replay {
         if (g.accepted >= 0) { apply_accept(r, g); }  // accepted before its rows arrived
       }
     }
-    for (auto& change : step.after_filing) { apply(std::move(change)); }
   }
 
   void apply_accept(request_mirror& r, group_mirror& g)
