@@ -34,9 +34,9 @@ using faulty_async = rr::RoutingReplay<faulty_host, std::int16_t, rr::layer_majo
 
 std::int64_t valid_id(std::int32_t, std::int64_t, std::int32_t) { return 3; }
 
-// Fails the `k`-th backend operation of the next call (counted from here), then stops.
+// Fails the `occurrence`-th backend operation named `op` from here on, then stops.
 struct fail_backend_op {
-  explicit fail_backend_op(std::uint64_t k) { fault_injector::get().arm(fault_source::backend, k); }
+  fail_backend_op(const char* op, std::uint64_t occurrence) { fault_injector::get().arm_op(op, occurrence); }
   fail_backend_op(const fail_backend_op&)            = delete;
   fail_backend_op& operator=(const fail_backend_op&) = delete;
   ~fail_backend_op() { fault_injector::get().disarm(); }
@@ -121,8 +121,7 @@ TEST_CASE("CORE-BUG-2a: a step whose status reset failed to enqueue does not poi
   s.rr().begin_step(plan_for(1, 0, 2, slots), s.stream());
   s.forward(2, valid_id, /*skip_slot=*/1);  // layer 2 left unwritten: the step has a problem
   {
-    // sync_copy's end_step: kernel, copy, status copy, status reset (fails), record, wait
-    fail_backend_op fail{4};
+    fail_backend_op fail{"fill_2d_async", 1};  // the reset of the step's status
     expect_error([&] { s.end_step(); }, rr::errc::backend_error, {"fill_2d_async"});
   }
   s.step(plan_for(1, 0, 2, slots), 2);  // a clean step, in the same ring slot
@@ -147,8 +146,7 @@ TEST_CASE("CORE-BUG-2b: a failed step's queued work cannot erase the next step's
   r.capture(1, ids.data(), 2, compute.ref());
   r.capture(2, ids.data(), 2, compute.ref());
   {
-    // async_event's end_step: kernel, record, wait, copy, status copy, status reset, record (fails)
-    fail_backend_op fail{7};
+    fail_backend_op fail{"record", 2};  // the step's last operation: its copies are enqueued
     expect_error([&] { r.end_step(compute.ref()); }, rr::errc::backend_error, {"record"});
   }
   r.begin_step(plan_for(1, 0, 2, slots), compute.ref());
@@ -173,7 +171,7 @@ TEST_CASE("CORE-BUG-2c: a step whose end-of-step kernel failed to launch does no
   s.rr().begin_step(plan_for(1, 0, 2, slots), s.stream());
   s.forward(2, [](std::int32_t, std::int64_t row, std::int32_t) -> std::int64_t { return row == 1 ? 100 : 1; });
   {
-    fail_backend_op fail{1};  // the end-of-step kernel
+    fail_backend_op fail{"bulk_async", 1};  // the end-of-step kernel
     expect_error([&] { s.end_step(); }, rr::errc::backend_error, {"bulk_async"});
   }
   s.step(plan_for(1, 0, 2, slots), 2);
@@ -202,7 +200,7 @@ TEST_CASE("CORE-BUG-3: destruction after a failed end_step waits for the copies 
     r.capture(2, ids.data(), rows, compute.ref());
     rr::host_backend::bulk_async(1, rr_test::wait_for_gate{gate.data()}, compute.ref());  // hold the kernel
     {
-      fail_backend_op fail{7};  // the final record: the copies are enqueued, the step discarded
+      fail_backend_op fail{"record", 2};  // the final record: the copies are enqueued, the step discarded
       expect_error([&] { r.end_step(compute.ref()); }, rr::errc::backend_error, {"record"});
     }
     cuda::atomic_ref<int, cuda::thread_scope_system>{gate[0]}.store(1);

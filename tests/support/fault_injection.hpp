@@ -59,13 +59,24 @@ class fault_injector {
     fired_kind_   = fault_kind::none;
     fired_op_.clear();
     only_in_call_ = std::move(only_in_call);
+    only_op_.clear();
   }
+  /// @brief Fails the `occurrence`-th backend operation named `op` ("record", "fill_2d_async", ...)
+  /// from now on, counting no other failure point: a test that aims at one operation does not
+  /// depend on how many others come first.
+  void arm_op(std::string op, std::uint64_t occurrence)
+  {
+    arm(fault_source::backend, occurrence);
+    only_op_ = std::move(op);
+  }
+
   /// @brief Stops counting and failing.
   void disarm() noexcept
   {
     armed_at_ = 0;
     source_   = fault_source::backend;
     count_    = 0;
+    only_op_.clear();
   }
 
   /// @brief Whether a sweep is counting (then every call is checked as if it could fail).
@@ -82,7 +93,7 @@ class fault_injector {
   /// @brief A backend failure point: throws routing_replay::error backend_error if it is the armed one.
   void backend_point(const char* op, fault_kind kind)
   {
-    if (!counting(fault_source::backend)) { return; }
+    if (!counting(fault_source::backend) || (!only_op_.empty() && only_op_ != op)) { return; }
     if (++count_ == armed_at_) {
       fire(op, kind);
       throw routing_replay::error{routing_replay::errc::backend_error,
@@ -93,7 +104,7 @@ class fault_injector {
   /// allocation failures derive from it; the library does not translate them).
   void allocation_point(const char* op)
   {
-    if (!counting(fault_source::backend)) { return; }
+    if (!counting(fault_source::backend) || !only_op_.empty()) { return; }
     if (++count_ == armed_at_) {
       fire(op, fault_kind::allocate);
       throw std::bad_alloc{};
@@ -184,6 +195,7 @@ class fault_injector {
   fault_kind fired_kind_  = fault_kind::none;
   std::string fired_op_;
   std::string only_in_call_;
+  std::string only_op_;
   const char* call_         = "";
   int call_depth_           = 0;
   const char* backend_op_   = nullptr;
