@@ -38,8 +38,8 @@ TEST_CASE_TEMPLATE_DEFINE("soak: a realistic endless schedule, every row checked
   shape.moe_layers       = {1, 2, 3, 5, 6, 7};
   shape.num_model_layers = 8;
   constexpr auto runs = std::tuple_size_v<rr_test::one_per_strategy<rr::host_backend>>;
-  const auto r = rr_test::run_soak<RR>(rr_test::soak_schedule(), shape, soak_steps / static_cast<std::int64_t>(runs),
-                                       20261122, rr_test::resident_kib);
+  const auto per_run = (soak_steps + static_cast<std::int64_t>(runs) - 1) / static_cast<std::int64_t>(runs);
+  const auto r = rr_test::run_soak<RR>(rr_test::soak_schedule(), shape, per_run, 20261122, rr_test::resident_kib);
   std::printf("%s\n", rr_test::soak_json<RR>(r, "host", "rss").c_str());
   std::fflush(stdout);
   CHECK(r.rows_checked > 0);
