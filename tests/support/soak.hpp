@@ -97,16 +97,19 @@ soak_result run_soak(const sim_config& sim, const harness_shape& shape, std::int
 template <class RR>
 std::string soak_json(const soak_result& r, const char* backend, const char* memory_kind)
 {
-  char line[1024];
+  std::string samples;
+  for (const auto m : r.samples) { samples += (samples.empty() ? "" : ", ") + std::to_string(m); }
+  char line[2048];
   std::snprintf(line, sizeof line,
                 "{\"soak\": \"%s\", \"copy\": \"%s\", \"storage\": \"%s\", \"index_bytes\": %zu, \"steps\": %lld, "
                 "\"seconds\": %.2f, \"steps_per_s\": %.0f, \"rows_checked\": %lld, \"memory\": \"%s\", "
-                "\"kib_after_warmup\": %lld, \"kib_end\": %lld, \"kib_peak\": %lld, \"growth_kib\": %lld}",
+                "\"kib_after_warmup\": %lld, \"kib_end\": %lld, \"kib_peak\": %lld, \"growth_kib\": %lld, "
+                "\"samples_kib\": [%s]}",
                 backend, RR::copy_type::name, RR::storage_type::name, sizeof(typename RR::index_type),
                 static_cast<long long>(r.steps), r.seconds, r.steps_per_second(),
                 static_cast<long long>(r.rows_checked), memory_kind, static_cast<long long>(r.memory_after_warmup),
                 static_cast<long long>(r.memory_end), static_cast<long long>(r.memory_peak_after_warmup),
-                static_cast<long long>(r.growth()));
+                static_cast<long long>(r.growth()), samples.c_str());
   return line;
 }
 
