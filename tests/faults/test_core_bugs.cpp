@@ -111,6 +111,28 @@ TEST_CASE("CORE-BUG-9: a record outside the buffer in an empty step is reported 
   CHECK(s.rr().recorded_rows(1) == 2);
 }
 
+// CORE-BUG-10: block-slot storage claims a step's rows when it begins; a step that re-claims a
+// slot already holding a row (overwrite_recomputed_rows, or a later write taking over a tentative
+// draft row) and is then discarded writes the sentinel over that row and unclaims it: a row stored
+// before the error is lost. Found by the fuzzer (tests/fuzz/core_bugs/).
+TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have replaced" * doctest::skip())
+{
+  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
+                                       rr::block_slot_storage>;
+  small_replay<block_slot> s{rr_test::small_config(/*overwrite_recomputed_rows=*/true)};
+  std::vector<std::int64_t> slots;
+  s.rr().add_request(1);
+  auto first = plan_for(1, 0, 2, slots);
+  const std::int64_t block0[] = {0};
+  first.add_fresh_blocks(block0);
+  s.step(first, 1);
+  const auto before = s.rows(1);
+  s.rr().begin_step(plan_for(1, 0, 1, slots), s.stream());  // recompute position 0 at its slot
+  s.forward(1, valid_id, /*skip_slot=*/1);                   // a layer left unwritten
+  expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"step 2"});
+  CHECK(s.rows(1) == before);
+}
+
 // CORE-BUG-2 (a): the status of a step whose end_step failed while enqueuing its copy is never
 // reset: the ring slot's next step inherits its problem and is discarded for it.
 TEST_CASE("CORE-BUG-2a: a step whose status reset failed to enqueue does not poison the next one" * doctest::skip())

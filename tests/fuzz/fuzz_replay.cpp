@@ -302,6 +302,9 @@ void run_one(FuzzedDataProvider& in)
     rr_test::checked_replay<RR> d{config};
     d.set_full_snapshots(in.ConsumeBool());
     d.set_trace(std::getenv("RR_FUZZ_TRACE") != nullptr);
+#ifndef ROUTING_REPLAY_FUZZ_CORE_BUGS_FIXED
+    d.set_avoid_core_bug_10(true);  // CORE-BUG-10: a discarded step erases rows it re-claimed
+#endif
     call_decoder<RR>{in, d}.run(300);
   } catch (const rr_test::contract_violation& v) {
     std::fprintf(stderr, "\n%s\npolicies: %s index, %s, %s, %s\n", v.what(), sizeof(typename RR::index_type) == 1 ? "1-byte" : "wider",
