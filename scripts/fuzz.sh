@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fuzzes the library's public calls for SECONDS seconds (default 60): builds the libFuzzer harness
 # tests/fuzz/fuzz_replay.cpp with clang (-fsanitize=fuzzer,address,undefined) in build/fuzz, runs
-# every regression input and the seed corpus once, then fuzzes from the seed corpus. New inputs go
-# to build/fuzz/corpus (merge the useful ones into tests/fuzz/corpus with -merge=1).
+# every regression input once, then fuzzes from the seed corpus (which it first runs whole, within
+# the time given). New inputs go to build/fuzz/corpus; to refresh the seed corpus:
+#   build/fuzz/tests/fuzz_replay -merge=1 -use_counters=0 NEW_DIR tests/fuzz/corpus build/fuzz/corpus
 #
 # Any finding (a contract violation, a sanitizer report, a timeout) fails the script; the input is
 # left in build/fuzz/findings/ and the line to reproduce it is printed (RR_FUZZ_TRACE=1 traces every
@@ -27,8 +28,8 @@ mkdir -p build/fuzz/corpus build/fuzz/findings
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0
 export UBSAN_OPTIONS=print_stacktrace=1
-echo "== regressions and seed corpus, each input once"
-"$fuzzer" -runs=0 tests/fuzz/regressions tests/fuzz/corpus 2>&1 | tail -n 2
+echo "== regressions, each input once (the seed corpus runs when fuzzing starts)"
+"$fuzzer" -runs=0 tests/fuzz/regressions 2>&1 | tail -n 1
 
 echo "== fuzzing for ${seconds}s"
 log=build/fuzz/last_run.log
