@@ -16,10 +16,13 @@ class RoutingReplayConan(ConanFile):
     description = ("Capture, move, file and replay the experts a Mixture-of-Experts router chose, "
                    "per token and layer")
     topics = ("cuda", "mixture-of-experts", "inference", "header-only")
+    license = "Apache-2.0"
     package_type = "header-library"
     settings = "os", "arch", "compiler", "build_type"
+    # The license travels with the recipe and with the sources (package() copies it to licenses/).
+    exports = "LICENSE"
     # The package is made by the project's own install rules (CMakeLists.txt, cmake/).
-    exports_sources = "include/*", "CMakeLists.txt", "cmake/*", "LICENSE*"
+    exports_sources = "include/*", "CMakeLists.txt", "cmake/*", "LICENSE"
     no_copy_source = True
 
     def set_version(self):
@@ -49,7 +52,7 @@ class RoutingReplayConan(ConanFile):
         rmdir(self, os.path.join(self.package_folder, "share"))
         copy(self, "conan_system_cuda.cmake", os.path.join(self.source_folder, "cmake"),
              os.path.join(self.package_folder, "lib", "cmake"))
-        copy(self, "LICENSE*", self.source_folder, os.path.join(self.package_folder, "licenses"))
+        copy(self, "LICENSE", self.source_folder, os.path.join(self.package_folder, "licenses"))
 
     def package_id(self):
         self.info.clear()

@@ -123,10 +123,7 @@ void for_each_single_swap(F&& f)
   });
   for_each_type(copy_types{}, [&](auto c) {
     using C = typename decltype(c)::type;
-    if constexpr (!std::is_same_v<C, C0>) {
-      using S = std::conditional_t<compatible<C, S0>, S0, rr::block_slot_storage>;
-      f(type_tag<I0>{}, type_tag<L0>{}, c, type_tag<S>{});
-    }
+    if constexpr (!std::is_same_v<C, C0>) { f(type_tag<I0>{}, type_tag<L0>{}, c, type_tag<S0>{}); }
   });
   for_each_type(storage_types{}, [&](auto s) {
     if constexpr (!std::is_same_v<typename decltype(s)::type, S0>) { f(type_tag<I0>{}, type_tag<L0>{}, type_tag<C0>{}, s); }

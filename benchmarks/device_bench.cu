@@ -2,9 +2,10 @@
 // swapped at a time, next to the physical limits of DESIGN.md section 5 measured the same way.
 // Without a usable CUDA device nothing is registered: the program says so and exits 0.
 //
-//   capture/<index>/<layout>/rows:N   capture() of every layer from int64 router output, recorded
-//                                     once in a CUDA graph and replayed: device time per layer
-//                                     (manual time = one layer), bytes read + written per second
+//   capture/<index>/<layout>/rows:N/overlap:0|1   capture() of every layer from int64 router
+//                                     output, recorded once in a CUDA graph and replayed: device time
+//                                     per layer (manual time = one layer), bytes read + written per
+//                                     second; overlap:1 with dependent (overlapping) launches
 //   step/<policy>/rows:N              a whole step (begin_step, one kernel recording every layer
 //                                     through ref(), end_step, stream synchronize), real time;
 //                                     bytes moved per second and of_pinned_peak: that rate over the
@@ -15,9 +16,21 @@
 //   empty_kernel/eager_launch         one launch of a batch of 100, synchronized per batch
 //   empty_kernel/graph                one kernel of a 100-kernel CUDA graph replay
 //   event/record/0, event/query/1     host cost of cudaEventRecord, of cudaEventQuery (completed)
+//   end_of_step/<index>/<layout>/rows:N  the end-of-step kernel alone (check, snapshot, reset of N
+//                                     rows): device time, bytes read + written per second
+//   d2d_copy/bytes:N                  cudaMemcpyAsync device -> device (bytes read + written per
+//                                     second): the memory speed the end-of-step kernel aims at
+//   call/<name>                       host cost of each CUDA call end_step() may issue
+//   host_register/bytes:N             cudaHostRegister + cudaHostUnregister of N fresh bytes (what
+//                                     registering per-request rows as they grow would cost)
+//   memfd_map/bytes:N                 mapping N bytes of a memfd into a reserved range and back
+//                                     (what growing per-request rows costs instead)
 #include "bench_common.hpp"
 
 #include <routing_replay/routing_replay.cuh>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
@@ -33,6 +46,8 @@
 namespace {
 
 using namespace rr_bench;
+
+constexpr int kernels_per_batch = 100;  ///< calls timed together, then synchronized
 
 void check(cudaError_t status, const char* what)
 {
@@ -166,6 +181,7 @@ struct fill_ids {
 template <class Index, class Layout>
 void capture_layers(benchmark::State& state)
 {
+  rr::cuda_backend::dependent_launches = state.range(1) != 0;
   guarded(state, [&] {
     using replay_type = rr::RoutingReplay<rr::cuda_backend, Index, Layout>;
     const auto rows   = static_cast<std::int32_t>(state.range(0));
@@ -219,6 +235,136 @@ void library_step(benchmark::State& state)
   });
 }
 
+/// @brief Writes every row of every layer through a device reference (a forward that captured all).
+template <class Ref>
+struct fill_rows {
+  Ref ref;
+  std::int32_t rows;
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const
+  {
+    const auto layer = static_cast<std::int32_t>(i / (std::int64_t{rows} * bench_topk));
+    const auto row   = static_cast<std::int32_t>((i / bench_topk) % rows);
+    ref.record(layer, row, static_cast<std::int32_t>(i % bench_topk), (i * 7) % bench_experts);
+  }
+};
+
+template <class Index, class Layout>
+void end_of_step(benchmark::State& state)
+{
+  guarded(state, [&] {
+    const auto rows   = static_cast<std::int32_t>(state.range(0));
+    const auto config = rr::detail::validated_config<Index>(bench_config(rows, 1));
+    rr::capture_buffer<rr::cuda_backend, Index, Layout> buffer{config, rr::layer_map{config}};
+    const auto elems = static_cast<std::size_t>(rows) * bench_layers * bench_topk;
+    thrust::device_vector<Index> snapshot(elems);
+    thrust::device_vector<rr::detail::step_status> status(1);
+    cuda_timing t;
+    const cuda::stream_ref stream{t.stream};
+    for (auto _ : state) {
+      buffer.begin_step(rows, stream);
+      rr::cuda_backend::bulk_async(static_cast<std::int64_t>(elems), fill_rows<decltype(buffer.ref(rows))>{buffer.ref(rows), rows},
+                                   stream);
+      t.start();
+      buffer.end_step(thrust::raw_pointer_cast(snapshot.data()), thrust::raw_pointer_cast(status.data()), rows, -1,
+                      stream);
+      state.SetIterationTime(t.stop_seconds());
+    }
+    state.SetBytesProcessed(state.iterations() * 3 * static_cast<std::int64_t>(elems * sizeof(Index)));
+  });
+}
+
+void d2d_copy(benchmark::State& state)
+{
+  guarded(state, [&] {
+    const auto bytes = static_cast<std::size_t>(state.range(0));
+    cuda_timing t;
+    cuda_buffer from{bytes, cuda_buffer::kind::device};
+    cuda_buffer to{bytes, cuda_buffer::kind::device};
+    for (auto _ : state) {
+      t.start();
+      check(cudaMemcpyAsync(to.ptr, from.ptr, bytes, cudaMemcpyDeviceToDevice, t.stream), "cudaMemcpyAsync");
+      state.SetIterationTime(t.stop_seconds());
+    }
+    state.SetBytesProcessed(state.iterations() * 2 * static_cast<std::int64_t>(bytes));
+  });
+}
+
+struct empty_block_op {
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t, std::int32_t) const noexcept {}
+};
+struct empty_flat_op {
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t) const noexcept {}
+};
+
+/// @brief Host cost of one CUDA call of end_step(): 0 launch_async (a plain launch), 1 CUB
+/// DeviceFor::Bulk, 2 cudaStreamWaitEvent, 3 cudaMemcpyAsync of 24 KiB pinned -> device, 4 copying
+/// 1024 pieces (24 KiB) into pinned memory on the host. Batches of 100, synchronized per batch.
+void call_cost(benchmark::State& state)
+{
+  guarded(state, [&] {
+    cuda_timing t;
+    const cuda::stream_ref stream{t.stream};
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaEventRecord(e, t.stream), "cudaEventRecord");
+    cuda_buffer device{24 << 10, cuda_buffer::kind::device};
+    cuda_buffer pinned{24 << 10, cuda_buffer::kind::pinned};
+    std::vector<rr::detail::scatter_op<std::int16_t>> ops(1024);
+    const auto which = state.range(0);
+    for (auto _ : state) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int k = 0; k < kernels_per_batch; ++k) {
+        switch (which) {
+          case 0: rr::cuda_backend::launch_async(1, 32, empty_block_op{}, stream); break;
+          case 1: rr::cuda_backend::bulk_async(32, empty_flat_op{}, stream); break;
+          case 2: check(cudaStreamWaitEvent(t.stream, e, 0), "cudaStreamWaitEvent"); break;
+          case 3: check(cudaMemcpyAsync(device.ptr, pinned.ptr, 24 << 10, cudaMemcpyHostToDevice, t.stream), "memcpy"); break;
+          default: std::copy(ops.begin(), ops.end(), static_cast<rr::detail::scatter_op<std::int16_t>*>(pinned.ptr));
+        }
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      check(cudaStreamSynchronize(t.stream), "cudaStreamSynchronize");
+      state.SetIterationTime(seconds / kernels_per_batch);
+    }
+    cudaEventDestroy(e);
+  });
+}
+
+void host_register(benchmark::State& state)
+{
+  guarded(state, [&] {
+    const auto bytes = static_cast<std::size_t>(state.range(0));
+    for (auto _ : state) {
+      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) { throw std::runtime_error{"mmap failed"}; }
+      const auto t0 = std::chrono::steady_clock::now();
+      check(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), "cudaHostRegister");
+      check(cudaHostUnregister(p), "cudaHostUnregister");
+      state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      ::munmap(p, bytes);
+    }
+    state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+  });
+}
+
+void memfd_map(benchmark::State& state)
+{
+  guarded(state, [&] {
+    const auto bytes = static_cast<std::size_t>(state.range(0));
+    const int fd     = ::memfd_create("bench", MFD_CLOEXEC);
+    if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) { throw std::runtime_error{"memfd failed"}; }
+    void* range = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    for (auto _ : state) {
+      const auto t0 = std::chrono::steady_clock::now();
+      ::mmap(range, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+      ::mmap(range, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+      state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    ::munmap(range, bytes);
+    ::close(fd);
+  });
+}
+
 // ---- physical limits --------------------------------------------------------------------------
 
 void pinned_d2h(benchmark::State& state)
@@ -268,8 +414,6 @@ void launch_empty(cudaStream_t stream)
   empty_kernel<<<1, 1, 0, stream>>>();
   check(cudaGetLastError(), "empty_kernel launch");
 }
-
-constexpr int kernels_per_batch = 100;
 
 void empty_kernel_eager_sync(benchmark::State& state)
 {
@@ -338,7 +482,12 @@ void register_all()
       using L = typename decltype(l)::type;
       const std::string name = "capture/" + std::string{name_of<I>()} + "/" + std::string{name_of<L>()};
       benchmark::RegisterBenchmark(name.c_str(), capture_layers<I, L>)
-        ->ArgName("rows")->Arg(1)->Arg(1024)->Arg(8192)->UseManualTime();
+        ->ArgNames({"rows", "overlap"})
+        ->ArgsProduct({{1, 64, 1024, 8192}, {0, 1}})
+        ->UseManualTime();
+      const std::string eos = "end_of_step/" + std::string{name_of<I>()} + "/" + std::string{name_of<L>()};
+      benchmark::RegisterBenchmark(eos.c_str(), end_of_step<I, L>)
+        ->ArgName("rows")->Arg(1024)->Arg(8192)->UseManualTime();
     });
   });
   for_each_single_swap([](auto i, auto l, auto c, auto s) {
@@ -357,6 +506,12 @@ void register_all()
   benchmark::RegisterBenchmark("empty_kernel/eager_launch", empty_kernel_eager_launch)->UseManualTime();
   benchmark::RegisterBenchmark("empty_kernel/graph", empty_kernel_graph)->UseManualTime();
   benchmark::RegisterBenchmark("event/record", event_cost)->Arg(0)->UseRealTime();
+  benchmark::RegisterBenchmark("d2d_copy", d2d_copy)->ArgName("bytes")->Arg(786432)->Arg(6291456)->UseManualTime();
+  benchmark::RegisterBenchmark("call", call_cost)->ArgName("which")->DenseRange(0, 4)->UseManualTime();
+  benchmark::RegisterBenchmark("host_register", host_register)
+    ->ArgName("bytes")->Arg(64 << 10)->Arg(1536 << 10)->Arg(32 << 20)->UseManualTime();
+  benchmark::RegisterBenchmark("memfd_map", memfd_map)
+    ->ArgName("bytes")->Arg(64 << 10)->Arg(1536 << 10)->Arg(32 << 20)->UseManualTime();
   benchmark::RegisterBenchmark("event/query", event_cost)->Arg(1)->UseRealTime();
 }
 

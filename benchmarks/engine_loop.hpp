@@ -9,9 +9,9 @@
 /// (constructed from hidden size and max rows; run(rows, stream)).
 #pragma once
 
+#include "../examples/common/synthetic_engine.hpp"
 #include "policies.hpp"
 
-#include <routing_replay/detail/macros.hpp>
 #include <routing_replay/routing_replay.hpp>
 
 #include <algorithm>
@@ -32,10 +32,7 @@ namespace rr_bench {
 
 // ---- options ------------------------------------------------------------------------------------
 
-/// @brief A command-line mistake: reported with a hint, exit status 2.
-struct usage_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using rr_example::usage_error;
 
 /// @brief Everything the command line decides.
 struct loop_options {
@@ -55,6 +52,10 @@ struct loop_options {
   std::int32_t hidden        = 0;     ///< stand-in GEMM [n, H] x [H, H] per layer; 0: none
   std::int32_t decode_steps  = 64;
   bool sync_forward          = false; ///< synchronize the forward before end_step()
+  /// @brief How the forward hands routing to the library: "capture" (capture() after each router,
+  /// one kernel per layer) or "record" (the router kernel records through the device reference
+  /// itself: no extra launch).
+  std::string capture_path = "capture";
 };
 
 /// @brief Whether `name` is selected by a list of names ("all" selects everything).
@@ -160,35 +161,23 @@ inline scenario make_scenario(std::string_view name, const loop_options& o)
 
 // ---- the synthetic model ------------------------------------------------------------------------
 
-/// @brief id(req, pos, layer, k): what the synthetic router ranks k-th.
-ROUTING_REPLAY_HOST_DEVICE constexpr std::int64_t synthetic_id(std::int64_t request,
-                                                               std::int64_t position,
-                                                               std::int64_t layer,
-                                                               std::int64_t k,
-                                                               std::int64_t experts) noexcept
-{
-  return (request * 7919 + position * 31 + layer * 131 + k * 17) % experts;
-}
+using rr_example::synthetic_id;
+using rr_example::synthetic_router;
+using rr_example::token_info;
 
-/// @brief Whose token one row of the batch is.
-struct token_info {
-  std::int64_t request;
-  std::int64_t position;
-};
-
-/// @brief One MoE layer's router as a bulk kernel body over (row, k): writes int64 top-k ids
-/// [rows, K], as torch.topk returns them.
-struct synthetic_router {
-  const token_info* tokens;
-  std::int64_t* topk_ids;
-  std::int32_t layer;
-  std::int32_t topk;
-  std::int32_t experts;
+/// @brief The router of capture path (c): writes its top-k ids as synthetic_router does and records
+/// each one through the library's device reference in the same kernel (layer slot = layer).
+template <class Ref>
+struct recording_router {
+  synthetic_router router;
+  Ref ref;
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
   {
-    const token_info t = tokens[i / topk];
-    topk_ids[i]        = synthetic_id(t.request, t.position, layer, i % topk, experts);
+    router(i);
+    const auto row = static_cast<std::int32_t>(i / router.topk);
+    const auto k   = static_cast<std::int32_t>(i % router.topk);
+    ref.record(router.layer, row, k, router.topk_ids[i]);
   }
 };
 
@@ -229,11 +218,11 @@ inline void print_json_line(const loop_result& r, const loop_options& o)
     "{\"impl\": \"routing_replay\", \"policy\": \"%s\", \"scenario\": \"%s\", \"mode\": \"%s\", "
     "\"layers\": %d, \"topk\": %d, \"experts\": %d, \"host_us\": %s, \"fwd_gpu_us\": %s, "
     "\"fwd0_gpu_us\": %s, \"step_us\": %s, \"step0_us\": %s, \"extract_us\": %s, \"correct\": %s, "
-    "\"eos_gpu_us\": %s}\n",
+    "\"eos_gpu_us\": %s, \"capture_path\": \"%s\"}\n",
     r.policy.c_str(), r.scenario.c_str(), r.mode.c_str(), o.layers, o.topk, o.experts,
     number(r.host_us).c_str(), number(r.fwd_gpu_us).c_str(), number(r.fwd0_gpu_us).c_str(),
     number(r.step_us).c_str(), number(r.step0_us).c_str(), number(r.extract_us).c_str(),
-    r.correct ? "true" : "false", number(r.eos_gpu_us).c_str());
+    r.correct ? "true" : "false", number(r.eos_gpu_us).c_str(), o.capture_path.c_str());
   std::fflush(stdout);
 }
 
@@ -323,14 +312,20 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
   const auto compute = stream.ref();
 
   // The forward of `rows` rows: token metadata up, then per layer the router [, the GEMM] and,
-  // with the library, capture().
+  // with the library, capture() or the router recording its choices itself.
+  const bool record_in_router = o.capture_path == "record";
   auto forward = [&](std::int64_t rows, bool with_capture) {
     backend::copy_async(tokens_device, staged, static_cast<std::size_t>(rows) * sizeof(token_info), compute);
     for (std::int32_t layer = 0; layer < o.layers; ++layer) {
-      backend::bulk_async(rows * o.topk, synthetic_router{tokens_device, ids_device, layer, o.topk, o.experts},
-                          compute);
+      const synthetic_router router{tokens_device, ids_device, layer, o.topk, o.experts};
+      if (with_capture && record_in_router) {
+        backend::bulk_async(rows * o.topk, recording_router<typename replay_type::ref_type>{router, replay.ref(rows)},
+                            compute);
+      } else {
+        backend::bulk_async(rows * o.topk, router, compute);
+      }
       gemm.run(rows, compute);
-      if (with_capture) { replay.capture(layer, ids_device, rows, compute); }
+      if (with_capture && !record_in_router) { replay.capture(layer, ids_device, rows, compute); }
     }
   };
 
@@ -487,15 +482,13 @@ int run_layout(const loop_options& o)
       if (!selected(o.copies, name_of<Copy>())) { return; }
       for_each_type(storage_types{}, [&](auto storage) {
         using Storage = typename decltype(storage)::type;
-        if constexpr (compatible<Copy, Storage>) {
-          if (!selected(o.storages, name_of<Storage>())) { return; }
-          for (const auto& s : scenarios) {
-            for (const bool graph_mode : {false, true}) {
-              if (!(graph_mode ? o.graph && Platform::has_graphs : o.eager)) { continue; }
-              const auto r = run_scenario<Platform, Index, Layout, Copy, Storage>(o, s, graph_mode);
-              print_json_line(r, o);
-              incorrect += r.correct ? 0 : 1;
-            }
+        if (!selected(o.storages, name_of<Storage>())) { return; }
+        for (const auto& s : scenarios) {
+          for (const bool graph_mode : {false, true}) {
+            if (!(graph_mode ? o.graph && Platform::has_graphs : o.eager)) { continue; }
+            const auto r = run_scenario<Platform, Index, Layout, Copy, Storage>(o, s, graph_mode);
+            print_json_line(r, o);
+            incorrect += r.correct ? 0 : 1;
           }
         }
       });

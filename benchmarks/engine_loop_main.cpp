@@ -7,7 +7,6 @@
 
 #include "engine_loop.hpp"
 
-#include <charconv>
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -39,8 +38,6 @@ options (LIST: comma-separated names, or all):
   --index LIST          int16 | uint8 | int32 (default: int16)
   --layout LIST         layer_major | token_major (default: layer_major)
   --copy LIST           copy strategies (default: sync); all sweeps every strategy built in
-                        (device_scatter runs with block_slot storage only: other pairings
-                        are skipped)
   --storage LIST        per_request | block_slot (default: per_request)
   --layers N            L, MoE layers (default: 48)
   --topk N              K (default: 8)
@@ -49,6 +46,9 @@ options (LIST: comma-separated names, or all):
   --max-model-len N     positions per request (default: 4096)
   --decode-steps N      measured decode steps (default: 64)
   --hidden N            adds a bf16 GEMM [n, N] x [N, N] per layer (cuda only; default: none)
+  --capture-path NAME   capture | record: capture() after each router (one kernel per layer), or
+                        the router kernel recording through the device reference (no extra
+                        launch) (default: capture)
   --sync-forward        synchronize the forward before end_step(), so that host_us is the
                         library's host path alone (without it, sync_copy waits for the forward)
   --help                print this text
@@ -56,41 +56,16 @@ options (LIST: comma-separated names, or all):
 exit status: 0 every run correct, 1 a run incorrect or a failure, 2 bad usage or no GPU
 )";
 
-std::vector<std::string> parse_list(std::string_view flag, std::string_view value)
-{
-  std::vector<std::string> names;
-  while (!value.empty()) {
-    const auto comma = value.find(',');
-    names.emplace_back(value.substr(0, comma));
-    value = comma == std::string_view::npos ? std::string_view{} : value.substr(comma + 1);
-  }
-  if (names.empty()) { throw usage_error{std::string{flag} + ": empty list"}; }
-  return names;
-}
-
-template <class Int>
-Int parse_number(std::string_view flag, std::string_view value, Int minimum)
-{
-  Int n                = 0;
-  const auto* end      = value.data() + value.size();
-  const auto [ptr, ec] = std::from_chars(value.data(), end, n);
-  if (ec != std::errc{} || ptr != end || n < minimum) {
-    throw usage_error{std::string{flag} + ": expected an integer >= " + std::to_string(minimum) +
-                      ", got '" + std::string{value} + "'"};
-  }
-  return n;
-}
-
 struct command_line {
   loop_options loop;
   std::string backend;  // empty: cuda when a GPU is present
   bool help = false;
 };
 
-std::vector<std::string> checked(std::string_view flag, std::string_view value,
-                                 const std::vector<std::string_view>& accepted)
+std::vector<std::string> checked(rr_example::argument_reader& arg, const std::vector<std::string_view>& accepted)
 {
-  std::vector<std::string> names = parse_list(flag, value);
+  const std::string_view flag    = arg.flag();
+  std::vector<std::string> names = arg.list();
   for (const auto& n : names) {
     if (n != "all" && std::find(accepted.begin(), accepted.end(), n) == accepted.end()) {
       std::string expected;
@@ -106,61 +81,57 @@ command_line parse(std::span<char* const> args)
 {
   command_line c;
   auto& o = c.loop;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    std::string_view flag = args[i];
-    std::optional<std::string_view> inline_value;
-    if (const auto eq = flag.find('='); flag.starts_with("--") && eq != std::string_view::npos) {
-      inline_value = flag.substr(eq + 1);
-      flag         = flag.substr(0, eq);
-    }
-    auto value = [&]() -> std::string_view {
-      if (inline_value) { return *inline_value; }
-      if (i + 1 >= args.size()) { throw usage_error{std::string{flag} + ": missing value"}; }
-      return args[++i];
-    };
+  rr_example::argument_reader arg{args};
+  while (arg.next()) {
+    const std::string_view flag = arg.flag();
     if (flag == "--help" || flag == "-h") {
       c.help = true;
     } else if (flag == "--sync-forward") {
       o.sync_forward = true;
+    } else if (flag == "--capture-path") {
+      o.capture_path = std::string{arg.value()};
+      if (o.capture_path != "capture" && o.capture_path != "record") {
+        throw usage_error{"--capture-path: expected capture | record, got '" + o.capture_path + "'"};
+      }
     } else if (flag == "--backend") {
-      c.backend = std::string{value()};
+      c.backend = std::string{arg.value()};
       if (c.backend != "host" && c.backend != "cuda") {
         throw usage_error{"--backend: expected host | cuda, got '" + c.backend + "'"};
       }
     } else if (flag == "--scenarios") {
-      o.scenarios = parse_list(flag, value());
+      o.scenarios = arg.list();
       if (o.scenarios == std::vector<std::string>{"all"}) { o.scenarios = loop_options{}.scenarios; }
     } else if (flag == "--mode") {
-      const std::string_view m = value();
+      const std::string_view m = arg.value();
       if (m != "eager" && m != "graph" && m != "both") {
         throw usage_error{"--mode: expected eager | graph | both, got '" + std::string{m} + "'"};
       }
       o.eager = m != "graph";
       o.graph = m != "eager";
     } else if (flag == "--index") {
-      o.indexes = checked(flag, value(), names_of(index_types{}));
+      o.indexes = checked(arg, names_of(index_types{}));
     } else if (flag == "--layout") {
-      o.layouts = checked(flag, value(), names_of(layout_types{}));
+      o.layouts = checked(arg, names_of(layout_types{}));
     } else if (flag == "--copy") {
-      o.copies = checked(flag, value(), names_of(copy_types{}));
+      o.copies = checked(arg, names_of(copy_types{}));
     } else if (flag == "--storage") {
-      o.storages = checked(flag, value(), names_of(storage_types{}));
+      o.storages = checked(arg, names_of(storage_types{}));
     } else if (flag == "--layers") {
-      o.layers = parse_number<std::int32_t>(flag, value(), 1);
+      o.layers = arg.number<std::int32_t>(1);
     } else if (flag == "--topk") {
-      o.topk = parse_number<std::int32_t>(flag, value(), 1);
+      o.topk = arg.number<std::int32_t>(1);
     } else if (flag == "--experts") {
-      o.experts = parse_number<std::int32_t>(flag, value(), 1);
+      o.experts = arg.number<std::int32_t>(1);
     } else if (flag == "--max-tokens") {
-      o.max_tokens = parse_number<std::int32_t>(flag, value(), 1);
+      o.max_tokens = arg.number<std::int32_t>(1);
     } else if (flag == "--max-model-len") {
-      o.max_model_len = parse_number<std::int64_t>(flag, value(), 1);
+      o.max_model_len = arg.number<std::int64_t>(1);
     } else if (flag == "--decode-steps") {
-      o.decode_steps = parse_number<std::int32_t>(flag, value(), 1);
+      o.decode_steps = arg.number<std::int32_t>(1);
     } else if (flag == "--hidden") {
-      o.hidden = parse_number<std::int32_t>(flag, value(), 0);
+      o.hidden = arg.number<std::int32_t>(0);
     } else {
-      throw usage_error{"unknown option '" + std::string{args[i]} + "'"};
+      arg.unknown();
     }
   }
   for (const auto& name : o.scenarios) { (void)make_scenario(name, o); }  // refuse bad names up front

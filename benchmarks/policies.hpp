@@ -40,19 +40,12 @@ using index_types = type_list<std::int16_t, std::uint8_t, std::int32_t>;
 /// @brief Device-buffer layouts.
 using layout_types = type_list<rr::layer_major, rr::token_major>;
 
-/// @brief Copy strategies, rings of depth 2 (device_scatter pairs only with block_slot_storage:
-/// see `compatible`).
+/// @brief Copy strategies, rings of depth 2.
 using copy_types =
   type_list<rr::sync_copy, rr::async_event, rr::double_buffered<2>, rr::device_scatter<2>>;
 
 /// @brief Host storages.
 using storage_types = type_list<rr::per_request_storage, rr::block_slot_storage>;
-
-/// @brief Whether a copy strategy and a storage make a valid RoutingReplay: device scatter writes
-/// rows in place, which per-request storage (it grows by reallocation) cannot offer.
-template <class Copy, class Storage>
-inline constexpr bool compatible =
-  Copy::site != rr::scatter_site::device || std::is_same_v<Storage, rr::block_slot_storage>;
 
 /// @brief Name of a policy on the command line and in results: int16, layer_major, sync,
 /// per_request, ...

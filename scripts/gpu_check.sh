@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, one command: configure, build, run the GPU tests (which must
 # really run: "skipped" is a failure here), the host tests, the demo on CUDA for several policy
-# combinations (checked with numpy) and the benchmarks; logs go to $OUT (default build/gpu_check),
-# at most 8 files; a short summary is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
+# combinations (checked with numpy) and the benchmarks; logs and results go to $OUT/gpu_check.tgz
+# (default OUT: build/gpu_check), the summary to $OUT/summary.txt and is printed last. Missing packages (doctest, Google Benchmark) may come from .deps/
 # (scripts/stage_deps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
-OUT=${OUT:-build/gpu_check}
-mkdir -p "$OUT"
+RESULTS=${OUT:-build/gpu_check}
+OUT=build/gpu_check_work  # everything is written here, then packed into $RESULTS
+rm -rf "$OUT" && mkdir -p "$OUT" "$RESULTS"
 summary=()
 status=0
 note() { summary+=("$1"); }
+# Which parts run (comma-separated): tests (GPU and host tests, memcheck, demo), bench (engine
+# loop), micro (Google Benchmark programs), compare (before/after against .baseline). A lease's
+# command may last 10 minutes: split the parts over two calls on a warm machine if needed; the
+# build is reused.
+PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
+bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
+  python3 -c 'import json, sys
+d = json.load(sys.stdin)
+print(json.dumps({"program": sys.argv[1], "context": d.get("context", {})}))
+for b in d.get("benchmarks", []): print(json.dumps(dict(program=sys.argv[1], **b)))' "$1"
+}
 
 prefix_args=()
 if [ -d .deps/usr ]; then
@@ -25,10 +38,11 @@ start=$(date +%s)
 if ! cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" >"$OUT/build.log" 2>&1 ||
    ! cmake --build build/gpu -j "$(build_jobs)" >>"$OUT/build.log" 2>&1; then
   tail -n 40 "$OUT/build.log"
-  echo "build failed"; exit 1
+  echo "build failed"; tar czf "$RESULTS/gpu_check.tgz" -C "$OUT" .; exit 1
 fi
 note "build: ok in $(( $(date +%s) - start )) s"
 
+if want tests; then
 build/gpu/tests/gpu_tests >"$OUT/gpu_tests.log" 2>&1; rc=$?
 note "gpu_tests: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/gpu_tests.log" | sed 's/\[doctest\] //')"
 [ $rc -eq 0 ] || status=1   # 77 (no GPU) is a failure on this machine
@@ -58,18 +72,13 @@ for combo in "int16 layer_major per_request" "int16 layer_major block_slot" "uin
   fi
 done
 note "demo on cuda: $demo_ok/$demo_runs policy combinations verified with numpy"
+fi
 
 # Benchmarks (docs/performance.md): the engine loop on CUDA, DESIGN.md section 5 scenarios, eager
 # and graph, every copy strategy and storage -> $OUT/engine_loop.jsonl (and with --hidden 4096 ->
 # $OUT/engine_loop_hidden.jsonl); the microbenchmarks
 # (device_bench, host_path_bench), one JSON line per benchmark -> $OUT/microbench.jsonl.
-bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
-  python3 -c 'import json, sys
-d = json.load(sys.stdin)
-print(json.dumps({"program": sys.argv[1], "context": d.get("context", {})}))
-for b in d.get("benchmarks", []): print(json.dumps(dict(program=sys.argv[1], **b)))' "$1"
-}
-if [ -x build/gpu/benchmarks/engine_loop ]; then
+if want bench && [ -x build/gpu/benchmarks/engine_loop ]; then
   start=$(date +%s)
   if err=$(build/gpu/benchmarks/engine_loop --backend cuda --mode both --copy all --storage all \
              2>&1 >"$OUT/engine_loop.jsonl"); then
@@ -93,6 +102,8 @@ for line in open(sys.argv[1]):
         r.get("eos_gpu_us"), r["extract_us"], r["correct"]))' \
     "$OUT/engine_loop.jsonl")
   summary+=("${lines[@]}")
+fi
+if want micro && [ -x build/gpu/benchmarks/device_bench ]; then
   : >"$OUT/microbench.jsonl"
   for program in device_bench host_path_bench; do
     if build/gpu/benchmarks/$program --benchmark_min_time=0.05 --benchmark_format=json 2>/dev/null |
@@ -104,7 +115,50 @@ for line in open(sys.argv[1]):
   done
 fi
 
-echo "==== gpu_check summary"
-printf '%s\n' "${summary[@]}"
-echo "==== $( [ $status -eq 0 ] && echo PASS || echo FAIL )"
+# Before/after in one session (scripts/stage_baseline.sh REV staged .baseline/): the baseline's
+# benchmarks and this tree's, run alternately on one machine -> $OUT/compare.jsonl, compare.md:
+# - the engine loop (graph mode, decode B256/B1024, prefill 8k, every copy strategy and storage),
+#   twice each, so a difference can be told from the spread;
+# - the same with --hidden 4096 (realistic step lengths), once each, and this tree's with the
+#   router recording through the device reference (--capture-path record) too;
+# - capture() per layer inside a CUDA graph (device_bench), both builds.
+if want compare && [ -d .baseline ] && [ -x build/gpu/benchmarks/engine_loop ]; then
+  base_rev=$(cat .baseline/REVISION 2>/dev/null || echo baseline)
+  if cmake -S .baseline -B build/baseline -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" \
+       -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF >>"$OUT/build.log" 2>&1 &&
+     cmake --build build/baseline -j "$(build_jobs)" --target engine_loop_bench device_bench >>"$OUT/build.log" 2>&1; then
+    tag() { python3 -c 'import json, sys
+for line in sys.stdin: r = json.loads(line); r.update(build=sys.argv[1], round=int(sys.argv[2])); print(json.dumps(r))' "$@"; }
+    before="before:$base_rev"
+    : >"$OUT/compare.jsonl"
+    compare_args=(--backend cuda --mode graph --copy all --storage all --scenarios decode_B256,decode_B1024,prefill_8k)
+    for round in 1 2; do
+      build/baseline/benchmarks/engine_loop "${compare_args[@]}" 2>/dev/null | tag "$before" $round >>"$OUT/compare.jsonl"
+      build/gpu/benchmarks/engine_loop "${compare_args[@]}" 2>/dev/null | tag after $round >>"$OUT/compare.jsonl"
+    done
+    python3 benchmarks/compare_runs.py "$OUT/compare.jsonl" >"$OUT/compare.md"
+    : >"$OUT/compare_hidden.jsonl"
+    build/baseline/benchmarks/engine_loop "${compare_args[@]}" --hidden 4096 2>/dev/null | tag "$before" 1 >>"$OUT/compare_hidden.jsonl"
+    build/gpu/benchmarks/engine_loop "${compare_args[@]}" --hidden 4096 2>/dev/null | tag after 1 >>"$OUT/compare_hidden.jsonl"
+    build/gpu/benchmarks/engine_loop "${compare_args[@]}" --hidden 4096 --capture-path record 2>/dev/null |
+      tag after 1 >>"$OUT/compare_hidden.jsonl"
+    python3 benchmarks/compare_runs.py "$OUT/compare_hidden.jsonl" >>"$OUT/compare.md"
+    for build in baseline gpu; do
+      build/$build/benchmarks/device_bench --benchmark_filter='capture/int16/layer_major' --benchmark_min_time=0.05 \
+        --benchmark_format=json 2>/dev/null | bench_lines "device_bench:$build" >>"$OUT/compare_capture.jsonl"
+    done
+    note "before ($base_rev) / after: $(cat "$OUT"/compare*.jsonl | wc -l) results -> $OUT/compare.md"
+    mapfile -t lines <"$OUT/compare.md"
+    summary+=("${lines[@]}")
+  else
+    note "baseline ($base_rev): build failed"; status=1
+  fi
+fi
+
+{
+  echo "==== gpu_check summary"
+  printf '%s\n' "${summary[@]}"
+  echo "==== $( [ $status -eq 0 ] && echo PASS || echo FAIL )"
+} | tee "$RESULTS/summary.txt"
+tar czf "$RESULTS/gpu_check.tgz" -C "$OUT" .
 exit $status

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Builds every target and runs every test, keeping nvcc and g++ work to one build of each
 # translation unit where possible (CI has 2 cores):
-# - the CUDA targets (GPU tests, demo, benchmarks) and the packaging tests, at -O1: CI proves they
+# - the CUDA targets (GPU tests, the 2-GPU test, demo, benchmarks) and the packaging tests, at -O1: CI proves they
 #   build and run; figures come from scripts/gpu_check.sh on a GPU. The GPU tests report Skipped,
 #   not Passed, where there is no GPU;
-# - the host tests (every policy combination, every copy strategy) under ThreadSanitizer: the host
-#   backend's streams are real threads, so the pipeline's ordering is checked there; with them the
-#   numpy round trip and the compile-fail check;
+# - the host tests (every policy combination, every copy strategy) and the parallel tests (ranks as
+#   threads, label parallel) under ThreadSanitizer: the host backend's streams are real threads, so
+#   the pipeline's ordering and the in-process collectives are checked there; with them the numpy
+#   round trip and the compile-fail check;
 # - the scenario, error and pipeline tests again under AddressSanitizer + UBSan, and the fault
 #   injection sweeps (every backend operation, device/pinned and host allocation fails once);
 # - the short soak (every copy strategy, 100000 steps in all, memory flat) in the -O1 build;
 # - the fuzzer for 2 minutes (clang, its own build: scripts/fuzz.sh);
+# - the Python package exactly as a user installs it (a fresh virtual environment, pip install
+#   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
+#   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, and its pytest suite;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct) and the demo on a small run.
 set -euo pipefail
@@ -21,7 +25,10 @@ pip_install numpy numpy
 
 echo "== build: GPU tests, demo, benchmarks (-O1)"
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O1" >/dev/null
-cmake --build build/ci -j "$(build_jobs)" --target gpu_tests engine_loop engine_loop_bench host_path_bench device_bench soak
+ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench soak)
+# the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
+if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
+cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"
 echo "== GPU and packaging tests"
 ctest --test-dir build/ci --output-on-failure -L "gpu|packaging"
 echo "== soak (short): every copy strategy, 100000 steps in all, memory flat after warm-up"
@@ -33,8 +40,8 @@ echo "== host tests under ThreadSanitizer"
 cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" \
   -DROUTING_REPLAY_SANITIZE_THREAD=ON -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build/tsan -j "$(build_jobs)" --target host_tests
-TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir build/tsan --output-on-failure -L host
+cmake --build build/tsan -j "$(build_jobs)" --target host_tests parallel_tests
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir build/tsan --output-on-failure -L "host|parallel"
 
 echo "== scenario, error and pipeline tests, fault injection, under AddressSanitizer + UBSan"
 cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" -DROUTING_REPLAY_SANITIZE=ON \
@@ -45,6 +52,17 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build/asan/tests/ho
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build/asan --output-on-failure -L faults
 
 scripts/fuzz.sh 120
+
+echo "== Python package: fresh virtual environment, pip install ./python (host module), pytest"
+python_venv=build/python-venv
+rm -rf "$python_venv"
+python3 -m venv "$python_venv"
+python_start=$(date +%s)
+# -O1: CI checks behaviour, not speed, and the instantiations build a third faster
+"$python_venv/bin/pip" install -q "./python[plot]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
+  -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
+echo "installed in $(( $(date +%s) - python_start )) s"
+"$python_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 
 scripts/packaging_check.sh
 echo "== every public entity documented (doxygen)"

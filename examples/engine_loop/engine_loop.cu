@@ -24,6 +24,8 @@
 /// Run `engine_loop --help` for the flags. Exit status: 0 when every request matches, 1 on a
 /// mismatch or a runtime failure, 2 on a bad command line or an unavailable backend.
 
+#include "../common/synthetic_engine.hpp"
+
 #include <routing_replay/npy.hpp>
 #include <routing_replay/routing_replay.cuh>
 
@@ -31,7 +33,6 @@
 
 #include <algorithm>
 #include <array>
-#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -64,35 +65,16 @@ constexpr std::int32_t num_experts    = 128;  // E
 constexpr std::int64_t max_model_len  = 4096;
 constexpr std::int32_t kv_block_size  = 16;   // tokens per KV block (block-slot storage)
 
+using rr_example::synthetic_router;
+using rr_example::token_info;
+using rr_example::usage_error;
+
 /// @brief The expert the synthetic router ranks k-th for a token of a request in a model layer.
-/// Both the router kernel and the verification use it, so a match proves the round trip.
-__host__ __device__ constexpr std::int64_t synthetic_expert(std::int64_t request,
-                                                           std::int64_t position,
-                                                           std::int64_t layer,
-                                                           std::int64_t k) noexcept
+constexpr std::int64_t synthetic_expert(std::int64_t request, std::int64_t position, std::int64_t layer,
+                                        std::int64_t k) noexcept
 {
-  return (request * 7919 + position * 31 + layer * 131 + k * 17) % num_experts;
+  return rr_example::synthetic_id(request, position, layer, k, num_experts);
 }
-
-/// @brief What the router knows about one row of the batch: whose token it is, and where.
-struct token_info {
-  std::int64_t request;
-  std::int64_t position;
-};
-
-/// @brief The router of one MoE layer, as a bulk "kernel" body over (row, k): writes the step's
-/// top-k ids as a row-major [n, K] int64 array, the dtype and shape torch.topk returns.
-struct synthetic_router {
-  const token_info* tokens;
-  std::int64_t* topk_ids;
-  std::int32_t layer;
-
-  __host__ __device__ void operator()(std::int64_t i) const noexcept
-  {
-    const token_info token = tokens[i / top_k];
-    topk_ids[i]            = synthetic_expert(token.request, token.position, layer, i % top_k);
-  }
-};
 
 // ---- the workload -------------------------------------------------------------------------------
 
@@ -232,11 +214,6 @@ options:
 exit status: 0 all requests match, 1 mismatch or failure, 2 bad usage or backend unavailable
 )";
 
-/// @brief A command-line mistake: reported with a hint, exit status 2.
-struct usage_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 struct options {
   fs::path out_dir = "routing_out";
   std::optional<backend_choice> backend;  // empty: decided once we know whether a GPU is present
@@ -262,53 +239,31 @@ Choice parse_choice(std::string_view flag,
                     accepted + ")"};
 }
 
-std::int32_t parse_count(std::string_view flag, std::string_view value)
-{
-  std::int32_t n   = 0;
-  const auto* end  = value.data() + value.size();
-  const auto [ptr, ec] = std::from_chars(value.data(), end, n);
-  if (ec != std::errc{} || ptr != end || n <= 0) {
-    throw usage_error{std::string{flag} + ": expected a positive integer, got '" + std::string{value} + "'"};
-  }
-  return n;
-}
-
 /// @brief Accepts `--flag value` and `--flag=value`.
 options parse_options(std::span<char* const> args)
 {
   options o;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    std::string_view flag = args[i];
-    std::optional<std::string_view> inline_value;
-    if (const auto eq = flag.find('='); flag.starts_with("--") && eq != std::string_view::npos) {
-      inline_value = flag.substr(eq + 1);
-      flag         = flag.substr(0, eq);
-    }
+  rr_example::argument_reader arg{args};
+  while (arg.next()) {
+    const std::string_view flag = arg.flag();
     if (flag == "--help" || flag == "-h") {
       o.help = true;
-      continue;
-    }
-    auto value = [&]() -> std::string_view {
-      if (inline_value) { return *inline_value; }
-      if (i + 1 >= args.size()) { throw usage_error{std::string{flag} + ": missing value"}; }
-      return args[++i];
-    };
-    if (flag == "--out") {
-      o.out_dir = fs::path{std::string{value()}};
+    } else if (flag == "--out") {
+      o.out_dir = fs::path{std::string{arg.value()}};
     } else if (flag == "--backend") {
-      o.backend = parse_choice(flag, value(), backend_names);
+      o.backend = parse_choice(flag, arg.value(), backend_names);
     } else if (flag == "--index") {
-      o.index = parse_choice(flag, value(), index_names);
+      o.index = parse_choice(flag, arg.value(), index_names);
     } else if (flag == "--layout") {
-      o.layout = parse_choice(flag, value(), layout_names);
+      o.layout = parse_choice(flag, arg.value(), layout_names);
     } else if (flag == "--storage") {
-      o.storage = parse_choice(flag, value(), storage_names);
+      o.storage = parse_choice(flag, arg.value(), storage_names);
     } else if (flag == "--requests") {
-      o.num_requests = parse_count(flag, value());
+      o.num_requests = arg.number<std::int32_t>(1);
     } else if (flag == "--max-tokens") {
-      o.max_tokens = parse_count(flag, value());
+      o.max_tokens = arg.number<std::int32_t>(1);
     } else {
-      throw usage_error{"unknown option '" + std::string{args[i]} + "'"};
+      arg.unknown();
     }
   }
   // Later requests have longer prompts and outputs: refuse up front what cannot fit the model.
@@ -447,7 +402,7 @@ int run(const options& opt)
     Backend::copy_async(tokens_on_device, staged, static_cast<std::size_t>(n) * sizeof(token_info), compute);
     for (std::int32_t layer = 0; layer < num_moe_layers; ++layer) {
       // One buffer serves every layer: stream order puts each capture before the next overwrite.
-      Backend::bulk_async(n * top_k, synthetic_router{tokens_on_device, ids, layer}, compute);
+      Backend::bulk_async(n * top_k, synthetic_router{tokens_on_device, ids, layer, top_k, num_experts}, compute);
       replay.capture(layer, ids, n, compute);
     }
     replay.end_step(compute);

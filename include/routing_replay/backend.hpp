@@ -15,10 +15,23 @@ namespace detail {
 struct probe_kernel {
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t) const noexcept {}
 };
+/// @brief A do-nothing block-shaped kernel body.
+struct probe_block_kernel {
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t, std::int32_t) const noexcept {}
+};
 }  // namespace detail
 
 /// @brief A backend: stream and event types plus the few asynchronous operations the library
-/// issues (copies, fills, a bulk "kernel" launch, event record/wait/query).
+/// issues (copies, fills, "kernel" launches, event record/wait/query), and the registration of
+/// host memory that kernels write directly (device scatter).
+///
+/// Kernels are functors: `bulk_async(n, op)` calls `op(i)` for i in [0, n) (one thread each);
+/// `launch_async(blocks, threads, op)` calls `op(block, thread)` for every pair, for kernels whose
+/// threads share a unit of work by block, then, if `op` has one, `op.block_done(block)` once per
+/// block after all its threads (the hook for a last block that finishes the step);
+/// `launch_dependent_async` does the same for a kernel that only reads what the kernel before it
+/// wrote, letting the device overlap the two launches. Kernels may not assume that blocks run
+/// concurrently or in any order.
 ///
 /// Two backends ship: cuda_backend (routing_replay/cuda_backend.cuh, needs nvcc) and host_backend
 /// (routing_replay/host_backend.hpp, plain C++20).
@@ -35,6 +48,10 @@ concept backend = requires(typename B::stream_ref stream,
   { B::data(device) } -> std::same_as<int*>;
   { B::data(pinned) } -> std::same_as<int*>;
   B::bulk_async(std::int64_t{1}, detail::probe_kernel{}, stream);
+  B::launch_async(std::int32_t{1}, std::int32_t{32}, detail::probe_block_kernel{}, stream);
+  B::launch_dependent_async(std::int32_t{1}, std::int32_t{32}, detail::probe_block_kernel{}, stream);
+  B::register_host(dst, bytes);
+  B::unregister_host(dst);
   B::copy_async(dst, src, bytes, stream);
   B::copy_2d_async(dst, bytes, src, bytes, bytes, bytes, stream);
   B::fill_2d_async(dst, bytes, static_cast<unsigned char>(0), bytes, bytes, stream);

@@ -33,6 +33,30 @@ inline void check_cuda(cudaError_t status, const char* what)
   }
 }
 
+/// @brief The kernel behind cuda_backend::launch_async: one CUDA block per `op` block, then
+/// `op.block_done(block)` on one thread once every thread of the block is done.
+template <class Op>
+__global__ void block_kernel(Op op)
+{
+  const auto block = static_cast<std::int32_t>(blockIdx.x);
+  op(block, static_cast<std::int32_t>(threadIdx.x));
+  if constexpr (requires { op.block_done(block); }) {
+    __syncthreads();
+    if (threadIdx.x == 0) { op.block_done(block); }
+  }
+}
+
+/// @brief As block_kernel, launched as a programmatic dependent of the kernel before it on the
+/// stream: its blocks may be scheduled while that kernel finishes, and wait here for its results.
+template <class Op>
+__global__ void dependent_block_kernel(Op op)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+  op(static_cast<std::int32_t>(blockIdx.x), static_cast<std::int32_t>(threadIdx.x));
+}
+
 }  // namespace detail
 
 /// @brief An owning, non-blocking CUDA stream (move-only).
@@ -176,6 +200,66 @@ struct cuda_backend {
     if (n <= 0) { return; }
     detail::check_cuda(cub::DeviceFor::Bulk(n, op, stream.get()), "cub::DeviceFor::Bulk");
   }
+
+  /// @brief Enqueues one kernel of `num_blocks` blocks of `block_threads` threads that calls
+  /// `op(block, thread)` (a plain launch: its shape is the caller's, so no occupancy query).
+  template <class Op>
+  static void launch_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    if (num_blocks <= 0 || block_threads <= 0) { return; }
+    detail::block_kernel<<<static_cast<unsigned>(num_blocks), static_cast<unsigned>(block_threads), 0, stream.get()>>>(op);
+    detail::check_cuda(cudaGetLastError(), "kernel launch");
+  }
+
+  /// @brief Whether launch_dependent_async overlaps launches (set false to launch plainly, e.g. next
+  /// to kernels that trigger their dependents before their last writes).
+  static inline bool dependent_launches = true;
+
+  /// @brief As launch_async, for a kernel that only reads what the kernel before it on the stream
+  /// wrote (capture() after the router): launched with programmatic stream serialization, so on
+  /// Hopper and later its launch overlaps the end of that kernel (also inside CUDA graphs). Falls
+  /// back to a plain launch where the driver refuses the attribute.
+  template <class Op>
+  static void launch_dependent_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    if (num_blocks <= 0 || block_threads <= 0) { return; }
+    static bool refused = false;  // the same answer for every launch in this process
+    if (dependent_launches && !refused) {
+      cudaLaunchAttribute attribute{};
+      attribute.id                                         = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim  = dim3(static_cast<unsigned>(num_blocks));
+      config.blockDim = dim3(static_cast<unsigned>(block_threads));
+      config.stream   = stream.get();
+      config.attrs    = &attribute;
+      config.numAttrs = 1;
+      if (cudaLaunchKernelEx(&config, detail::dependent_block_kernel<Op>, op) == cudaSuccess) { return; }
+      (void)cudaGetLastError();  // clear the refusal: a plain launch follows
+      refused = true;
+    }
+    launch_async(num_blocks, block_threads, op, stream);
+  }
+
+  /// @brief Pins `bytes` of host memory at `p` and maps it for kernels, which then write it
+  /// through the same address (unified addressing; refused on a device that cannot).
+  static void register_host(void* p, std::size_t bytes)
+  {
+    int device = 0;
+    int same_address = 0;
+    detail::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    detail::check_cuda(cudaDeviceGetAttribute(&same_address, cudaDevAttrCanUseHostPointerForRegisteredMem, device),
+                       "cudaDeviceGetAttribute");
+    if (same_address == 0) {
+      throw error{errc::backend_error, "device scatter needs a device that reaches registered host memory through "
+                                       "the host's addresses (cudaDevAttrCanUseHostPointerForRegisteredMem)"};
+    }
+    detail::check_cuda(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+                       "cudaHostRegister");
+  }
+
+  /// @brief Unpins memory registered by register_host() (errors ignored: called on teardown).
+  static void unregister_host(void* p) noexcept { (void)cudaHostUnregister(p); }
 
   /// @brief Records `e` on `stream`.
   static void record(event& e, stream_ref stream)

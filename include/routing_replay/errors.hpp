@@ -26,6 +26,7 @@ enum class errc {
   draft_error,             ///< accept_draft without pending drafts, or extraction with unresolved drafts
   invalid_argument,        ///< a malformed call argument (null pointer, stride shorter than K, ...)
   backend_error,           ///< the CUDA runtime (or the host backend) reported a failure
+  invalid_packet,          ///< a step packet that is truncated, corrupted, of another version or shape, or not this step's
 };
 
 /// @brief Exception thrown by every host-side operation of the library.

@@ -77,12 +77,13 @@ struct host_backend {
   using stream = host_stream;
   /// @brief Owning event.
   using event = host_event;
-  /// @brief Memory that kernels read and write.
+  /// @brief Memory that kernels read and write; freeing it waits for the host streams, as cudaFree
+  /// synchronizes the device.
   template <class T>
-  using device_vector = std::vector<T>;
-  /// @brief Host memory that asynchronous copies may target.
+  using device_vector = std::vector<T, detail::stream_ordered_allocator<T>>;
+  /// @brief Host memory that asynchronous copies may target; freeing it waits as device memory does.
   template <class T>
-  using pinned_vector = std::vector<T>;
+  using pinned_vector = std::vector<T, detail::stream_ordered_allocator<T>>;
 
   /// @brief Human-readable name.
   static constexpr const char* name = "host";
@@ -149,6 +150,33 @@ struct host_backend {
       }
     });
   }
+
+  /// @brief Enqueues `op(block, thread)` for every block in [0, num_blocks) and thread in
+  /// [0, block_threads), blocks one after the other, each followed by `op.block_done(block)` if
+  /// `op` has it: the host analogue of a kernel launch whose threads share work by block.
+  template <class Op>
+  static void launch_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    if (num_blocks <= 0 || block_threads <= 0) { return; }
+    stream.queue().enqueue([=] {
+      for (std::int32_t b = 0; b < num_blocks; ++b) {
+        for (std::int32_t t = 0; t < block_threads; ++t) { op(b, t); }
+        if constexpr (requires { op.block_done(b); }) { op.block_done(b); }
+      }
+    });
+  }
+
+  /// @brief As launch_async: stream order already makes the kernel wait for the one before it.
+  template <class Op>
+  static void launch_dependent_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
+  {
+    launch_async(num_blocks, block_threads, op, stream);
+  }
+
+  /// @brief Nothing to do: "kernels" already reach host memory.
+  static void register_host(void*, std::size_t) noexcept {}
+  /// @brief Nothing to do.
+  static void unregister_host(void*) noexcept {}
 
   /// @brief Marks the work enqueued on `stream` so far.
   static void record(event& e, stream_ref stream)

@@ -6,23 +6,33 @@
 #include <routing_replay/detail/per_request_store.hpp>
 
 #include <concepts>
+#include <type_traits>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 namespace routing_replay {
 
-/// @brief Each request owns one contiguous, lazily grown array of rows at its positions.
+namespace detail {
+/// @brief Takes the pieces device_pieces() emits, to check a store offers it (a named type: nvcc
+/// refuses lambdas in requires-expressions).
+struct piece_probe {
+  void operator()(std::int16_t*, std::int64_t) const noexcept {}
+};
+}  // namespace detail
+
+/// @brief Each request owns one contiguous, lazily grown range of rows at its positions.
 ///
-/// Extraction is a zero-copy view. Growth is amortised and capped at max_model_len rows; the total
-/// is bounded by replay_config::host_memory_limit.
+/// Extraction is a zero-copy view. Growth is amortised (segments that double the capacity, mapped
+/// after the ones before, so rows never move) and capped at max_model_len rows; the total is
+/// bounded by replay_config::host_memory_limit.
 struct per_request_storage {
-  /// @brief The storage implementation for an index type (`Rows` is unused: rows live in one
-  /// growable array per request).
-  template <class Index, class Rows = std::vector<Index>>
-  using store = detail::per_request_store<Index>;
+  /// @brief The storage implementation for an index type; `RowMemory` says whether kernels write
+  /// the rows (device scatter).
+  template <class Index, class RowMemory = detail::host_written_rows>
+  using store = detail::per_request_store<Index, RowMemory>;
   /// @brief Whether row addresses stay fixed while rows are in flight (needed by device_scatter).
-  static constexpr bool stable_row_addresses = false;
+  static constexpr bool stable_row_addresses = true;
   /// @brief Human-readable name.
   static constexpr const char* name = "per_request";
 };
@@ -32,20 +42,29 @@ struct per_request_storage {
 /// Prefix-cache hits and preemption keep rows with their KV blocks; a per-block generation makes
 /// rows of a reallocated block read as missing. Extraction gathers a request's rows.
 struct block_slot_storage {
-  /// @brief The storage implementation for an index type; `Rows` holds the pool (pinned memory
-  /// when a kernel writes it).
-  template <class Index, class Rows = std::vector<Index>>
-  using store = detail::block_slot_store<Index, Rows>;
+  /// @brief The storage implementation for an index type; `RowMemory` says whether kernels write
+  /// the pool (device scatter: pinned memory).
+  template <class Index, class RowMemory = detail::host_written_rows>
+  using store = detail::block_slot_store<Index, RowMemory>;
   /// @brief Whether row addresses stay fixed while rows are in flight (needed by device_scatter).
   static constexpr bool stable_row_addresses = true;
   /// @brief Human-readable name.
   static constexpr const char* name = "block_slot";
 };
 
+/// @brief The store of a host-storage policy for a backend and an index type: its rows in ordinary
+/// memory, or, when a kernel writes them (`DeviceWrites`: device scatter), in memory pinned and
+/// mapped through the backend.
+template <class Storage, class Backend, class Index, bool DeviceWrites>
+using host_store = typename Storage::template store<
+  Index,
+  std::conditional_t<DeviceWrites, detail::device_written_rows<Backend>, detail::host_written_rows>>;
+
 /// @brief A host-storage policy: names a store that opens and closes requests, validates and
-/// reserves ahead of the scatter (so filing never fails), files rows (claim/erase), serves them
-/// (contiguous/read) and accounts its bytes against the memory limit; and says whether row
-/// addresses stay fixed while rows are in flight.
+/// reserves ahead of the scatter (so filing never fails), files rows (claim/unclaim/erase, by step
+/// serial, readable once filed), tells kernels where rows go (device_pieces), serves them
+/// (contiguous/read/read_rows) and accounts its bytes against the memory limit; and says whether
+/// row addresses stay fixed while rows are in flight.
 template <class S>
 concept host_storage = requires(typename S::template store<std::int16_t>& store,
                                 const typename S::template store<std::int16_t>& cstore,
@@ -63,13 +82,19 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   store.check_slots(slots, std::int32_t{1});
   cstore.check_blocks(slots, "");
   { cstore.growth_bytes(h, position, true) } -> std::convertible_to<std::size_t>;
-  store.reserve(h, position, true);
+  { store.reserve(h, position, true) } -> std::same_as<bool>;
+  store.undo_reserve(h);
   store.refresh_blocks(slots);
   { cstore.generation_of(position) } -> std::same_as<std::uint32_t>;
   { store.claim(h, position, position, std::uint32_t{0}, std::uint64_t{0}, true) } -> std::same_as<detail::row_claim<std::int16_t>>;
+  store.unclaim(h, position, position, std::uint64_t{0});
+  store.restore_claim(h, position, position, std::uint64_t{1}, std::uint64_t{0});
+  store.set_filed_through(std::uint64_t{0});
+  cstore.device_pieces(h, row, position, detail::piece_probe{});
   store.erase(h, position, position);
-  { cstore.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
+  { store.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
   { cstore.read(h, position, row) } -> std::same_as<bool>;
+  cstore.read_rows(h, position, position, row);
   { cstore.bytes_in_use() } -> std::convertible_to<std::size_t>;
   { cstore.limit() } -> std::convertible_to<std::size_t>;
 };

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <utility>
 #include <vector>
@@ -55,15 +56,15 @@ class routed_experts {
   {
   }
 
-  /// @brief Rows gathered into an owned buffer.
-  routed_experts(std::vector<Index> owned,
+  /// @brief Rows gathered into an owned buffer (of rows * layers * top_k ids).
+  routed_experts(std::unique_ptr<Index[]> owned,
                  std::int64_t rows,
                  std::int64_t layers,
                  std::int64_t top_k,
                  std::int64_t first_position,
                  std::int64_t prompt_length) noexcept
     : owned_(std::move(owned)),
-      data_(owned_.data()),
+      data_(owned_.get()),
       rows_(rows),
       layers_(layers),
       top_k_(top_k),
@@ -103,7 +104,7 @@ class routed_experts {
   /// @brief Prompt length used for the split, -1 if unknown.
   [[nodiscard]] std::int64_t prompt_length() const noexcept { return prompt_length_; }
   /// @brief Whether this is a zero-copy view of host storage.
-  [[nodiscard]] bool is_view() const noexcept { return owned_.empty() && rows_ > 0; }
+  [[nodiscard]] bool is_view() const noexcept { return owned_ == nullptr && rows_ > 0; }
 
   /// @brief Rows that hold no routing at all (every id the sentinel): never recorded, or stale.
   /// Dense-layer groups of an include_dense_layers extraction do not make a row missing. O(T L K).
@@ -132,7 +133,7 @@ class routed_experts {
     return view_type{data_ + begin * layers_ * top_k_, end - begin, layers_, top_k_};
   }
 
-  std::vector<Index> owned_;
+  std::unique_ptr<Index[]> owned_;  // a gathered copy; null for a view
   const Index* data_;
   std::int64_t rows_;
   std::int64_t layers_;

@@ -21,10 +21,5 @@ vcpkg_cmake_config_fixup(PACKAGE_NAME routing_replay CONFIG_PATH share/cmake/rou
 file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/debug/include")  # a no-op while release-only
 
 file(INSTALL "${CMAKE_CURRENT_LIST_DIR}/usage" DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}")
-if(EXISTS "${SOURCE_PATH}/LICENSE")
-    vcpkg_install_copyright(FILE_LIST "${SOURCE_PATH}/LICENSE")
-else()
-    # No license chosen yet (docs/install.md); vcpkg still requires a copyright file.
-    file(WRITE "${CURRENT_PACKAGES_DIR}/share/${PORT}/copyright"
-         "routing-replay: no license file in this source tree.\n")
-endif()
+# Apache-2.0: the LICENSE at the root of the sources is the copyright file vcpkg installs.
+vcpkg_install_copyright(FILE_LIST "${SOURCE_PATH}/LICENSE")

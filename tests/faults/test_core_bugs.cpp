@@ -1,7 +1,6 @@
-// Core bugs found by the fuzzer and the fault sweeps, one deterministic test each. The core is not
-// changed on this branch: each test is skipped (it fails, or crashes under ASan, until its patch is
-// applied) and docs/reliability.md lists each CORE-BUG with its proposed patch. Run them with
-// `fault_tests --no-skip -tc="CORE-BUG*"`; remove the skip with the fix.
+// Core bugs found by the fuzzer and the fault sweeps (docs/reliability.md section 3), one
+// deterministic test each, asserting the fixed behaviour: each failed, or crashed under ASan, before
+// its fix.
 #include "../support/error_checks.hpp"
 #include "../support/fault_backend.hpp"
 #include "../support/pipeline_stress.hpp"
@@ -68,7 +67,7 @@ std::thread open_gate_after(std::vector<int>& gate, std::chrono::milliseconds de
 // CORE-BUG-1: begin_step accepts step_plan::set_padded_rows past max_tokens_per_step, and the
 // end-of-step kernel then resets rows past the end of D: a heap overflow on the host backend, an
 // out-of-bounds device write on CUDA. The plan must be refused with too_many_tokens.
-TEST_CASE("CORE-BUG-1: a declared padding past max_tokens_per_step is refused" * doctest::skip())
+TEST_CASE("CORE-BUG-1: a declared padding past max_tokens_per_step is refused")
 {
   small_replay<host_sync> s;
   std::vector<std::int64_t> slots;
@@ -83,7 +82,7 @@ TEST_CASE("CORE-BUG-1: a declared padding past max_tokens_per_step is refused" *
 // CORE-BUG-8: begin_step checks `first_position + num_tokens > max_model_len`, which overflows for
 // a first position near INT64_MAX (undefined behaviour; in practice it wraps negative and passes):
 // the plan is accepted and rows are claimed at a position far past any storage.
-TEST_CASE("CORE-BUG-8: a position near INT64_MAX is refused, not wrapped" * doctest::skip())
+TEST_CASE("CORE-BUG-8: a position near INT64_MAX is refused, not wrapped")
 {
   small_replay<host_sync> s;
   std::vector<std::int64_t> slots = {0, 1, 2};
@@ -98,7 +97,7 @@ TEST_CASE("CORE-BUG-8: a position near INT64_MAX is refused, not wrapped" * doct
 // end-of-step kernel, so what the capture paths reported during it (a device_ref::record outside
 // the buffer) is neither reported for that step nor cleared: the next, clean step is discarded for
 // it. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-9-empty-step-report).
-TEST_CASE("CORE-BUG-9: a record outside the buffer in an empty step is reported for that step" * doctest::skip())
+TEST_CASE("CORE-BUG-9: a record outside the buffer in an empty step is reported for that step")
 {
   small_replay<host_sync> s;
   std::vector<std::int64_t> slots;
@@ -115,7 +114,7 @@ TEST_CASE("CORE-BUG-9: a record outside the buffer in an empty step is reported 
 // slot already holding a row (overwrite_recomputed_rows, or a later write taking over a tentative
 // draft row) and is then discarded writes the sentinel over that row and unclaims it: a row stored
 // before the error is lost. Found by the fuzzer (tests/fuzz/core_bugs/).
-TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have replaced" * doctest::skip())
+TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have replaced")
 {
   using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
                                        rr::block_slot_storage>;
@@ -135,7 +134,7 @@ TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have r
 
 // CORE-BUG-2 (a): the status of a step whose end_step failed while enqueuing its copy is never
 // reset: the ring slot's next step inherits its problem and is discarded for it.
-TEST_CASE("CORE-BUG-2a: a step whose status reset failed to enqueue does not poison the next one" * doctest::skip())
+TEST_CASE("CORE-BUG-2a: a step whose status reset failed to enqueue does not poison the next one")
 {
   small_replay<faulty_sync> s;
   std::vector<std::int64_t> slots;
@@ -153,7 +152,7 @@ TEST_CASE("CORE-BUG-2a: a step whose status reset failed to enqueue does not poi
 // CORE-BUG-2 (b): work enqueued for a step before its end_step failed is still queued when the
 // ring slot is reused; its status reset runs after the next step's check and erases it, so an id
 // outside [0, E) is filed as routing.
-TEST_CASE("CORE-BUG-2b: a failed step's queued work cannot erase the next step's problem" * doctest::skip())
+TEST_CASE("CORE-BUG-2b: a failed step's queued work cannot erase the next step's problem")
 {
   rr::host_stream compute;
   rr::host_stream copies;
@@ -185,7 +184,7 @@ TEST_CASE("CORE-BUG-2b: a failed step's queued work cannot erase the next step's
 
 // CORE-BUG-2 (c): when the end-of-step kernel fails to launch, D and the capture status keep what
 // the failed step wrote and reported: the next step inherits its invalid ids.
-TEST_CASE("CORE-BUG-2c: a step whose end-of-step kernel failed to launch does not poison the next one" * doctest::skip())
+TEST_CASE("CORE-BUG-2c: a step whose end-of-step kernel failed to launch does not poison the next one")
 {
   small_replay<faulty_sync> s;
   std::vector<std::int64_t> slots;
@@ -193,8 +192,8 @@ TEST_CASE("CORE-BUG-2c: a step whose end-of-step kernel failed to launch does no
   s.rr().begin_step(plan_for(1, 0, 2, slots), s.stream());
   s.forward(2, [](std::int32_t, std::int64_t row, std::int32_t) -> std::int64_t { return row == 1 ? 100 : 1; });
   {
-    fail_backend_op fail{"bulk_async", 1};  // the end-of-step kernel
-    expect_error([&] { s.end_step(); }, rr::errc::backend_error, {"bulk_async"});
+    fail_backend_op fail{"launch_async", 1};  // the end-of-step kernel
+    expect_error([&] { s.end_step(); }, rr::errc::backend_error, {"launch_async"});
   }
   s.step(plan_for(1, 0, 2, slots), 2);
   CHECK(s.rr().recorded_rows(1) == 2);
@@ -204,7 +203,7 @@ TEST_CASE("CORE-BUG-2c: a step whose end-of-step kernel failed to launch does no
 // already enqueued for it on the library's own copy stream are not waited for: the destructor
 // frees the ring (declared last, destroyed first) while that stream still copies from it
 // (heap-use-after-free on the host backend).
-TEST_CASE("CORE-BUG-3: destruction after a failed end_step waits for the copies it enqueued" * doctest::skip())
+TEST_CASE("CORE-BUG-3: destruction after a failed end_step waits for the copies it enqueued")
 {
   constexpr std::int32_t rows = 1 << 19;  // a large step: its copy takes a while
   auto config                 = rr_test::small_config();
@@ -221,18 +220,20 @@ TEST_CASE("CORE-BUG-3: destruction after a failed end_step waits for the copies 
     r.capture(1, ids.data(), rows, compute.ref());
     r.capture(2, ids.data(), rows, compute.ref());
     rr::host_backend::bulk_async(1, rr_test::wait_for_gate{gate.data()}, compute.ref());  // hold the kernel
+    // the failed end_step waits for the work it enqueued, so the gate opens on its own
+    std::thread opener = open_gate_after(gate, std::chrono::milliseconds(300));
     {
       fail_backend_op fail{"record", 2};  // the final record: the copies are enqueued, the step discarded
       expect_error([&] { r.end_step(compute.ref()); }, rr::errc::backend_error, {"record"});
     }
-    cuda::atomic_ref<int, cuda::thread_scope_system>{gate[0]}.store(1);
-    rr::host_backend::synchronize(compute.ref());  // the engine's stream is done; the copy is not
+    opener.join();
+    rr::host_backend::synchronize(compute.ref());  // the engine's stream is done
   }
 }
 
 // CORE-BUG-4: add_request registers the id before it opens the request's storage; a failed host
 // allocation after that leaves the request live although add_request threw.
-TEST_CASE("CORE-BUG-4: add_request is strong when a host allocation fails" * doctest::skip())
+TEST_CASE("CORE-BUG-4: add_request is strong when a host allocation fails")
 {
   small_replay<faulty_sync> s;
   const std::string id = "a-request-id-long-enough-to-live-on-the-heap";
@@ -257,7 +258,7 @@ TEST_CASE("CORE-BUG-4: add_request is strong when a host allocation fails" * doc
 // CORE-BUG-5: begin_step changes state (the step serial, fresh-block generations, request storage,
 // draft groups, block-slot claims) before it makes its last allocations; a failed host allocation
 // then leaves a step half-applied although begin_step threw.
-TEST_CASE("CORE-BUG-5: begin_step is strong when a host allocation fails" * doctest::skip())
+TEST_CASE("CORE-BUG-5: begin_step is strong when a host allocation fails")
 {
   small_replay<faulty_sync> s;
   std::vector<std::int64_t> slots;
@@ -291,7 +292,7 @@ TEST_CASE("CORE-BUG-5: begin_step is strong when a host allocation fails" * doct
 
 // CORE-BUG-6: release and abort forget the request, then append its handle to the free list; a
 // failed host allocation there throws after the request is already gone.
-TEST_CASE("CORE-BUG-6: release and abort are strong when a host allocation fails" * doctest::skip())
+TEST_CASE("CORE-BUG-6: release and abort are strong when a host allocation fails")
 {
   small_replay<faulty_sync> s;
   s.rr().add_request(1);
@@ -315,7 +316,7 @@ TEST_CASE("CORE-BUG-6: release and abort are strong when a host allocation fails
 // CORE-BUG-7: the host backend frees "device" memory without waiting for the streams, where CUDA's
 // frees synchronize the device: destroying the object while a capture it enqueued is still queued
 // on the engine's stream lets that capture write freed memory.
-TEST_CASE("CORE-BUG-7: destroying the object waits for its work on the engine's stream (host backend)" * doctest::skip())
+TEST_CASE("CORE-BUG-7: destroying the object waits for its work on the engine's stream (host backend)")
 {
   rr::host_stream compute;
   std::vector<int> gate(1, 0);

@@ -7,11 +7,9 @@
 // libFuzzer keeps the input; so does any sanitizer report.
 //
 // Build and run: scripts/fuzz.sh SECONDS (clang, -fsanitize=fuzzer,address,undefined).
-// Until the core bugs it found are fixed (docs/reliability.md), the decoder steers around the
-// inputs that trigger them; define ROUTING_REPLAY_FUZZ_CORE_BUGS_FIXED (CMake option of the same
-// name) to generate them again.
-// The seed corpus is tests/fuzz/corpus; inputs that once failed are in tests/fuzz/regressions and
-// run as a CTest test (label fuzz).
+// The seed corpus is tests/fuzz/corpus; inputs that once failed are in tests/fuzz/regressions (bugs
+// of the harness) and tests/fuzz/core_bugs (the core bugs it found, docs/reliability.md section 3),
+// and run as CTest tests (label fuzz).
 #include "../support/checked_replay.hpp"
 
 #include <routing_replay/routing_replay.hpp>
@@ -107,13 +105,8 @@ class call_decoder {
       case 0: return in_.ConsumeIntegralInRange<std::int64_t>(-2, len + 2);
       case 1: return std::max<std::int64_t>(at - in_.ConsumeIntegralInRange<std::int64_t>(1, 4), 0);  // recompute
       case 2:
-#ifdef ROUTING_REPLAY_FUZZ_CORE_BUGS_FIXED
         return in_.PickValueInArray({std::numeric_limits<std::int64_t>::max() - 2,
                                      std::numeric_limits<std::int64_t>::min() + 2, len - 1, len});
-#else
-        // CORE-BUG-8: begin_step's range check overflows for positions near INT64_MAX
-        return in_.PickValueInArray({std::numeric_limits<std::int64_t>::min() + 2, len - 1, len, len + 1});
-#endif
       default: return at;
     }
   }
@@ -169,12 +162,7 @@ class call_decoder {
     fresh.insert(fresh.end(), extra.begin(), extra.end());
     plan.add_fresh_blocks(fresh);
     if (in_.ConsumeBool()) {
-#ifdef ROUTING_REPLAY_FUZZ_CORE_BUGS_FIXED
       plan.set_padded_rows(in_.ConsumeIntegralInRange<std::int64_t>(-1, d_.config().max_tokens_per_step + 2));
-#else
-      // CORE-BUG-1: a declared padding past max_tokens_per_step overflows D
-      plan.set_padded_rows(in_.ConsumeIntegralInRange<std::int64_t>(-1, d_.config().max_tokens_per_step));
-#endif
     }
     d_.begin_step(plan);
   }
@@ -202,10 +190,6 @@ class call_decoder {
       w.stride = in_.ConsumeIntegralInRange<std::int64_t>(d_.config().top_k - 1, d_.config().top_k + 3);
     }
     if (in_.ConsumeIntegralInRange(0, 7) == 0) { w.row_offset = in_.ConsumeIntegralInRange<std::int64_t>(-1, 3); }
-#ifndef ROUTING_REPLAY_FUZZ_CORE_BUGS_FIXED
-    // CORE-BUG-9: a record outside the buffer in a step that hands out no rows is never reported
-    if (w.bad == rr_test::write_spec::defect::out_of_bounds && w.num_rows == 0) { w.num_rows = 1; }
-#endif
     w.null_ids  = in_.ConsumeIntegralInRange(0, 31) == 0;
     w.physical  = in_.ConsumeIntegralInRange(0, 5) == 0;
     w.empty_map = in_.ConsumeIntegralInRange(0, 31) == 0;
@@ -302,9 +286,6 @@ void run_one(FuzzedDataProvider& in)
     rr_test::checked_replay<RR> d{config};
     d.set_full_snapshots(in.ConsumeBool());
     d.set_trace(std::getenv("RR_FUZZ_TRACE") != nullptr);
-#ifndef ROUTING_REPLAY_FUZZ_CORE_BUGS_FIXED
-    d.set_avoid_core_bug_10(true);  // CORE-BUG-10: a discarded step erases rows it re-claimed
-#endif
     call_decoder<RR>{in, d}.run(300);
   } catch (const rr_test::contract_violation& v) {
     std::fprintf(stderr, "\n%s\npolicies: %s index, %s, %s, %s\n", v.what(), sizeof(typename RR::index_type) == 1 ? "1-byte" : "wider",

@@ -74,42 +74,21 @@ void run_graph_schedule(std::uint64_t seed)
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("CUDA: device-detected problems discard the step and lose nothing", RR,
-                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::sync_copy,
-                                     rr::per_request_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major, rr::sync_copy,
-                                     rr::block_slot_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::async_event,
-                                     rr::block_slot_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::int32_t, rr::token_major,
-                                     rr::double_buffered<2>, rr::per_request_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major,
-                                     rr::device_scatter<2>, rr::block_slot_storage>)
+TEST_CASE_TEMPLATE_DEFINE("CUDA: device-detected problems discard the step and lose nothing", RR, errors_cuda)
 {
   rr_test::check_device_detected_errors<RR>();
 }
+TEST_CASE_TEMPLATE_APPLY(errors_cuda, rr_test::every_strategy_and_storage<rr::cuda_backend>);
 
-TEST_CASE_TEMPLATE("CUDA graph: a forward recorded once, replayed with new ids, every row checked", RR,
-                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::sync_copy,
-                                     rr::per_request_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::sync_copy,
-                                     rr::block_slot_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::uint8_t, rr::token_major, rr::sync_copy,
-                                     rr::per_request_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::int32_t, rr::token_major, rr::sync_copy,
-                                     rr::block_slot_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::async_event,
-                                     rr::per_request_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::uint16_t, rr::token_major,
-                                     rr::double_buffered<2>, rr::block_slot_storage>,
-                   rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major,
-                                     rr::device_scatter<2>, rr::block_slot_storage>)
+TEST_CASE_TEMPLATE_DEFINE("CUDA graph: a forward recorded once, replayed with new ids, every row checked", RR,
+                          graph_cuda)
 {
   for (std::uint64_t seed : {1u, 4u}) {
     CAPTURE(seed);
     run_graph_schedule<RR>(seed);
   }
 }
+TEST_CASE_TEMPLATE_APPLY(graph_cuda, rr_test::every_strategy_and_storage<rr::cuda_backend>);
 
 TEST_CASE_TEMPLATE_DEFINE("CUDA pipeline stress: slow copies, many steps in flight, extraction mid-pipeline",
                           RR, stress_cuda)

@@ -214,18 +214,19 @@ TEST_CASE("block-slot errors: slots outside the pool, miscounted or repeated")
 
 TEST_CASE("the host memory limit is checked before anything changes")
 {
+  // rows of 4 ids live in segments of at least one page (4096 bytes: 512 rows of small_config)
   auto c              = rr_test::small_config();
-  c.host_memory_limit = 20 * 4 * sizeof(std::int16_t);  // 20 rows of 4 ids
+  c.host_memory_limit = 4096;
   small_replay<per_request_replay> s{c};
   std::vector<std::int64_t> slots;
   s.rr().add_request(1);
   s.rr().add_request(2);
-  s.step(plan_for(1, 0, 8, slots), 1);   // 16 rows reserved (amortised growth floor)
+  s.step(plan_for(1, 0, 8, slots), 1);  // one page reserved
   const auto before = stored_state<per_request_replay>::take(s, {1, 2});
-  CHECK(before.host_bytes == 16 * 4 * sizeof(std::int16_t));
-  // request 2 needs 8 more rows even without amortised slack: 24 > 20
+  CHECK(before.host_bytes == 4096);
+  // request 2 needs a page of its own: 8192 > 4096
   expect_error([&] { s.step(plan_for(2, 0, 8, slots), 1); }, rr::errc::host_memory_exhausted,
-               {"64 more bytes", "host_memory_limit 160", "128 bytes are in use"});
+               {"4096 more bytes", "host_memory_limit 4096", "4096 bytes are in use"});
   CHECK(stored_state<per_request_replay>::take(s, {1, 2}) == before);
   s.rr().release(1);
   CHECK(s.rr().host_bytes() == 0);

@@ -16,9 +16,10 @@
 ///
 /// Where the contract deliberately leaves results to timing, the driver behaves as a careful engine
 /// does, so that the model stays exact:
-/// - block-slot storage, deferred strategies: a step with a device-detected problem keeps its claims
-///   until it is filed, so steps planned meanwhile may defer to them (docs/design.md section 7). The
-///   driver files such a step (drain) before it plans, binds a prefix or resolves drafts;
+/// - block-slot storage, or device scatter (either storage), deferred strategies: rows are claimed
+///   when a step begins, and a step with a device-detected problem keeps its claims until it is
+///   filed, so steps planned meanwhile may defer to them (docs/design.md section 7). The driver files
+///   such a step (drain) before it plans, binds a prefix or resolves drafts;
 /// - block-slot storage claims a step's rows when it begins, the model when it ends: dropping a
 ///   request aborted during the step takes effect in the model after the step (its rows still land
 ///   at their slots), and the driver binds prefixes only to requests the open step does not
@@ -35,7 +36,10 @@
 
 #include <routing_replay/routing_replay.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <bit>
 #include <cstdio>
 #include <cstdint>
 #include <deque>
@@ -142,6 +146,11 @@ class checked_replay {
   static constexpr bool slot_storage =
     std::is_same_v<typename RR::storage_type, routing_replay::block_slot_storage>;
   static constexpr bool deferred = RR::copy_type::timing == routing_replay::scatter_timing::deferred;
+  /// Rows are claimed when a step begins (block-slot storage, device scatter): steps planned
+  /// meanwhile may defer to a failed step's claims, and a closed request's per-request segments stay
+  /// in use until every step that claimed in them has been filed.
+  static constexpr bool claims_when_planned =
+    slot_storage || RR::copy_type::site == routing_replay::scatter_site::device;
   static constexpr std::int64_t max_source_offset = 3;
   static constexpr std::int64_t max_extra_columns = 3;
 
@@ -233,10 +242,6 @@ class checked_replay {
   [[nodiscard]] bool diverged() const noexcept { return diverged_; }
   /// @brief The last call's outcome.
   [[nodiscard]] const outcome& last() const noexcept { return last_; }
-  /// @brief Keeps a step clean (no defect, every layer written) when its plan re-claims a slot that
-  /// holds a row (block-slot storage): discarding such a step loses that row (CORE-BUG-10). For the
-  /// fuzzer until the core is fixed.
-  void set_avoid_core_bug_10(bool on) noexcept { avoid_core_bug_10_ = on; }
   /// @brief Prints every call, its arguments and its outcome to stderr (to read a failing input).
   void set_trace(bool on) noexcept { trace_ = on; }
   /// @brief Full snapshots (every row of every request; the whole block pool) around refused
@@ -367,7 +372,8 @@ class checked_replay {
         r.scheduled_in = step.serial;
         r.cursor       = e.request.first_position + e.request.num_tokens - e.request.num_draft_tokens;
         if (!slot_storage) {
-          r.capacity_rows = grown_rows(r.capacity_rows, e.request.first_position + e.request.num_tokens, g.exact);
+          r.capacity_bytes += segment_bytes(r.capacity_bytes, e.request.first_position + e.request.num_tokens, g.exact);
+          if (claims_when_planned && e.request.num_tokens > 0) { r.last_claim = step.serial; }
         }
         if (p.num_draft > 0) { r.groups.push_back(group_mirror{step.serial, p.num_draft}); }
       }
@@ -381,24 +387,13 @@ class checked_replay {
         m.begin_step(blocks);
       });
     }
-    if constexpr (slot_storage) {
-      if (avoid_core_bug_10_) {
-        for (const auto& e : step.entries) {
-          for (const auto slot : e.slots) { step.protect |= holds_row(slot); }
-        }
-      }
-    }
     open_.emplace(std::move(step));
   }
 
   /// @brief One write of the forward through a capture path (in a step or outside any).
   void write(const write_spec& spec)
   {
-    write_spec w = spec;
-    if (open_ && open_->protect) {  // see set_avoid_core_bug_10
-      w.bad = write_spec::defect::none;
-      if (w.via == write_spec::path::device_ref) { w.layer = std::clamp(w.layer, 0, layers_ - 1); }
-    }
+    const write_spec& w = spec;
     trace("write", static_cast<int>(w.via), w.layer, w.num_rows, w.salt, static_cast<int>(w.bad), w.bad_cell,
           w.source_bits, w.stride, w.row_offset, w.null_ids, w.physical, w.empty_map);
     namespace rr = routing_replay;
@@ -436,7 +431,7 @@ class checked_replay {
           const std::int64_t past = w.bad == write_spec::defect::out_of_bounds ? 1 : 0;  // one row past it
           engine::bulk_async((rows + past) * config_.top_k,
                              record_through_ref<decltype(ref)>{meta, ref, config_.top_k, w.layer, config_.num_experts,
-                                                               cell_of(w), bad},
+                                                               -1, cell_of(w), bad},
                              stream_.ref());
         });
         break;
@@ -452,7 +447,6 @@ class checked_replay {
       run_checked("end_step", {rr::errc::invalid_state}, false, [&] { lib_->end_step(stream_.ref()); });
       return;
     }
-    if (open_->protect && classify(*open_)) { write_all(static_cast<std::uint32_t>(open_->serial)); }
     open_step step = std::move(*open_);
     open_.reset();
     const auto verdict       = classify(step);
@@ -766,6 +760,8 @@ class checked_replay {
     }
     live_.clear();
     flights_.clear();
+    pending_segments_.clear();
+    filed_through_ = 0;
     open_.reset();
     serial_ = 0;
     log_.clear();
@@ -824,7 +820,8 @@ class checked_replay {
     std::uint64_t instance    = 0;
     std::int64_t prompt_length = -1;
     std::deque<group_mirror> groups;
-    std::int64_t capacity_rows = 0;  ///< per-request storage: rows reserved
+    std::size_t capacity_bytes = 0;  ///< per-request storage: bytes of the segments reserved
+    std::uint64_t last_claim   = 0;  ///< per-request storage claiming when planned: the last step that claimed
     std::uint64_t scheduled_in = 0;  ///< serial of the last step that scheduled it
     std::int64_t cursor        = 0;
   };
@@ -845,7 +842,6 @@ class checked_replay {
     bool invalid_id    = false;       ///< capture or record saw an id outside [0, E)
     bool out_of_bounds = false;       ///< a record outside the buffer
     std::vector<std::string> zombies; ///< model keys of requests aborted during the step
-    bool protect = false;             ///< kept clean (set_avoid_core_bug_10)
   };
   struct flight {
     std::uint64_t serial;
@@ -991,7 +987,8 @@ class checked_replay {
       violation(std::string{name} + " threw a " + typeid(e).name() + " (" + e.what() +
                 "), not routing_replay::error");
     }
-    if (injector.fired() != fired) {
+    // a fault the library ignores by contract (unregister_host) leaves the call as if none fired
+    if (injector.fired() != fired && injector.fired_kind() != fault_kind::ignored) {
       out.faulted = true;
       out.kind    = injector.fired_kind();
       if (!out.threw) { violation(std::string{name} + " swallowed the injected fault " + injector.fired_op()); }
@@ -1141,7 +1138,7 @@ class checked_replay {
   // depend on its claims (see the file comment).
   void settle_failed_steps()
   {
-    if constexpr (slot_storage) {
+    if constexpr (claims_when_planned) {
       const bool failed_in_flight =
         std::any_of(flights_.begin(), flights_.end(), [](const flight& f) { return f.verdict.has_value(); });
       while (failed_in_flight && lib_->steps_in_flight() > 0) {
@@ -1168,6 +1165,7 @@ class checked_replay {
     while (filed-- > 0) {
       const flight f = flights_.front();
       flights_.pop_front();
+      retired(f.serial);
       const bool last = filed == 0;
       const std::string tag = "step " + std::to_string(f.serial) + ": ";
       if (last && out.threw && out.faulted && out.kind == fault_kind::wait) {
@@ -1214,9 +1212,10 @@ class checked_replay {
     if constexpr (slot_storage) {
       return static_cast<std::size_t>(slots() * row_elems_) * sizeof(index);
     } else {
-      std::size_t rows = 0;
-      for (const auto& [name, r] : live_) { rows += static_cast<std::size_t>(r.capacity_rows); }
-      return rows * static_cast<std::size_t>(row_elems_) * sizeof(index);
+      std::size_t bytes = 0;
+      for (const auto& [name, r] : live_) { bytes += r.capacity_bytes; }
+      for (const auto& p : pending_segments_) { bytes += p.first; }
+      return bytes;
     }
   }
 
@@ -1229,13 +1228,13 @@ class checked_replay {
   }
 
   // A step the model filed when it ended was discarded later (its copy failed): the model is
-  // rebuilt without it. Block-slot storage with steps planned meanwhile diverges by design (they
-  // may have deferred to its claims), so content is no longer compared.
+  // rebuilt without it. Where rows are claimed when a step begins, steps planned meanwhile diverge
+  // by design (they may have deferred to its claims), so content is no longer compared.
   void discard_after_fault(std::uint64_t serial)
   {
     drop_groups(serial);
     if (!keep_log_) { violation("a step was discarded after an injected fault, but no log was kept"); }
-    if (slot_storage && serial != serial_) { diverged_ = true; }
+    if (claims_when_planned && serial != serial_) { diverged_ = true; }
     discarded_.insert(serial);
     model_ = new_model();
     for (const auto& e : log_) {
@@ -1327,6 +1326,14 @@ class checked_replay {
     return nullptr;
   }
 
+  // A step left the ring (filed or discarded): segments of closed requests it was the last to claim
+  // in are free again.
+  void retired(std::uint64_t serial)
+  {
+    filed_through_ = serial;
+    std::erase_if(pending_segments_, [serial](const auto& p) { return p.second <= serial; });
+  }
+
   [[nodiscard]] bool scheduled_in_open_step(const request_mirror& r) const
   {
     return open_ && r.scheduled_in == open_->serial;
@@ -1337,6 +1344,9 @@ class checked_replay {
   void forget(typename std::map<std::string, request_mirror>::iterator it)
   {
     const auto key = model_key(it->second);
+    if (!slot_storage && claims_when_planned && it->second.last_claim > filed_through_) {
+      pending_segments_.emplace_back(it->second.capacity_bytes, it->second.last_claim);
+    }
     if (slot_storage && scheduled_in_open_step(it->second)) {
       open_->zombies.push_back(key);
     } else {
@@ -1349,14 +1359,6 @@ class checked_replay {
   {
     const auto name = id.to_string();
     if (known_names_.insert(name).second) { known_.emplace_back(id); }
-  }
-
-  // Whether a slot holds a row in the model (block-slot storage).
-  [[nodiscard]] bool holds_row(std::int64_t slot) const
-  {
-    const std::int64_t block[] = {slot / config_.block_size};
-    const auto rows            = model_.export_blocks(block);
-    return rows[static_cast<std::size_t>((slot % config_.block_size) * row_elems_)] != traits::sentinel;
   }
 
   // -- predictions ------------------------------------------------------------------------------
@@ -1378,11 +1380,22 @@ class checked_replay {
     }
   }
 
-  [[nodiscard]] std::int64_t grown_rows(std::int64_t have, std::int64_t rows, bool exact) const
+  // Per-request storage grows a request by one segment of its arena (design.md 3.5): a page
+  // multiple of at least 16 rows times a power of two, at least doubling the request's capacity (or,
+  // `exact`, the smallest that holds `rows`), never above the segment that holds max_model_len rows.
+  [[nodiscard]] std::size_t segment_bytes(std::size_t capacity, std::int64_t rows, bool exact) const
   {
-    if (rows <= have) { return have; }
-    const std::int64_t doubled = exact ? 0 : std::max<std::int64_t>(2 * have, 16);
-    return std::min(std::max(doubled, rows), config_.max_model_len);
+    const auto row_bytes   = static_cast<std::size_t>(row_elems_) * sizeof(index);
+    const auto page        = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t base = (16 * row_bytes + page - 1) / page * page;
+    const auto order_for   = [base](std::size_t bytes) {
+      return std::bit_width(std::bit_ceil(std::max<std::size_t>(1, (bytes + base - 1) / base))) - 1;
+    };
+    const std::size_t need = static_cast<std::size_t>(std::min(rows, config_.max_model_len)) * row_bytes;
+    if (need <= capacity) { return 0; }
+    const std::size_t increment = exact ? need - capacity : std::max(need - capacity, capacity);
+    const auto max_order = order_for(static_cast<std::size_t>(config_.max_model_len) * row_bytes);
+    return base << std::min(order_for(increment), max_order);
   }
 
   std::set<routing_replay::errc> predict_plan(const routing_replay::step_plan& plan, growth& g) const
@@ -1393,8 +1406,8 @@ class checked_replay {
     if (plan.num_rows() > config_.max_tokens_per_step) { expect.insert(rr::errc::too_many_tokens); }
     std::set<std::string> seen;
     std::set<std::int64_t> used_slots;
-    std::int64_t grow = 0;
-    std::int64_t exact = 0;
+    std::size_t grow  = 0;
+    std::size_t exact = 0;
     for (const auto& e : plan.entries()) {
       const auto& s = e.request;
       if (s.num_tokens < 0) {
@@ -1417,7 +1430,7 @@ class checked_replay {
         ok = false;
       }
       if (s.num_draft_tokens < 0 || s.num_draft_tokens > s.num_tokens ||
-          s.num_draft_tokens > routing_replay::detail::max_draft_tokens) {
+          s.num_draft_tokens > routing_replay::max_draft_tokens) {
         expect.insert(rr::errc::invalid_plan);
         ok = false;
       }
@@ -1434,10 +1447,10 @@ class checked_replay {
         }
       }
       if (ok && !slot_storage) {
-        const std::int64_t have = it->second.capacity_rows;
+        const std::size_t have  = it->second.capacity_bytes;
         const std::int64_t rows = s.first_position + s.num_tokens;
-        grow += grown_rows(have, rows, false) - have;
-        exact += grown_rows(have, rows, true) - have;
+        grow += segment_bytes(have, rows, false);
+        exact += segment_bytes(have, rows, true);
       }
     }
     if (slot_storage) {
@@ -1446,12 +1459,9 @@ class checked_replay {
       }
     }
     if (!slot_storage) {
-      const auto bytes = [&](std::int64_t rows) {
-        return static_cast<std::size_t>(rows * row_elems_) * sizeof(index);
-      };
       const std::size_t in_use = expected_host_bytes();
-      g.exact = in_use + bytes(grow) > config_.host_memory_limit;
-      if (g.exact && in_use + bytes(exact) > config_.host_memory_limit) {
+      g.exact = in_use + grow > config_.host_memory_limit;
+      if (g.exact && in_use + exact > config_.host_memory_limit) {
         expect.insert(rr::errc::host_memory_exhausted);
       }
     }
@@ -1730,12 +1740,13 @@ class checked_replay {
   std::set<std::uint64_t> discarded_;
   bool diverged_       = false;
   bool full_snapshots_ = false;
-  bool avoid_core_bug_10_ = false;
   bool trace_          = false;
   std::map<std::string, request_mirror> live_;
   std::vector<routing_replay::request_id> known_;
   std::set<std::string> known_names_;
   std::deque<flight> flights_;
+  std::uint64_t filed_through_ = 0;  ///< serial of the last step that left the ring
+  std::vector<std::pair<std::size_t, std::uint64_t>> pending_segments_;  ///< closed requests' bytes, last claim
   std::optional<open_step> open_;
   std::uint64_t serial_        = 0;
   std::uint64_t next_instance_ = 1;

@@ -3,6 +3,10 @@
 /// both compilers agree (nvcc has had concept bugs).
 #pragma once
 
+#include <routing_replay/parallel/packet_worker.hpp>
+#include <routing_replay/parallel/parallel_replay.hpp>
+#include <routing_replay/parallel/scheduler_replay.hpp>
+#include <routing_replay/parallel/thread_communicator.hpp>
 #include <routing_replay/routing_replay.hpp>
 
 #include <cstdint>
@@ -35,8 +39,8 @@ struct device_scatter_on_compute_stream {
 static_assert(!rr::copy_strategy<device_scatter_on_compute_stream>);
 
 static_assert(rr::host_storage<rr::per_request_storage> && rr::host_storage<rr::block_slot_storage>);
-// device scatter writes rows in place from a kernel: only storage with fixed row addresses
-static_assert(rr::block_slot_storage::stable_row_addresses && !rr::per_request_storage::stable_row_addresses);
+// device scatter writes rows in place from a kernel: both storages keep row addresses fixed
+static_assert(rr::block_slot_storage::stable_row_addresses && rr::per_request_storage::stable_row_addresses);
 static_assert(!rr::host_storage<rr::sync_copy>);
 
 static_assert(rr::backend<rr::host_backend>);
@@ -65,5 +69,15 @@ static_assert(!std::is_constructible_v<replay, rr::replay_config, rr::host_strea
 // the layer view meets FlashInfer's routing_replay_out contract with layer_major + int16
 static_assert(std::is_same_v<replay::layer_view_type::layout_type, cuda::std::layout_right>);
 static_assert(std::is_same_v<replay::layer_view_type::element_type, std::int16_t>);
+
+// parallel engines: collectives are a policy; the output rank's side is a RoutingReplay or a worker
+static_assert(rr::communicator<rr::thread_communicator, rr::host_stream_ref>);
+static_assert(!rr::communicator<int, rr::host_stream_ref> && !rr::communicator<rr::thread_group, rr::host_stream_ref>);
+static_assert(std::is_trivially_copyable_v<rr::thread_communicator> && std::is_trivially_copyable_v<rr::row_span>);
+static_assert(rr::output_side<replay> && rr::output_side<scattering>);
+static_assert(rr::output_side<rr::packet_worker<rr::host_backend, std::uint8_t, rr::token_major, rr::double_buffered<2>>>);
+static_assert(!rr::output_side<rr::scheduler_replay<>>);  // no device: it files packets
+// the scheduler side answers the same request calls as RoutingReplay
+static_assert(std::is_same_v<rr::scheduler_replay<>::result_type, replay::result_type>);
 
 }  // namespace rr_test::concept_checks

@@ -5,8 +5,13 @@
 ///   cudaEventCreate), before anything is created;
 /// - a device or pinned allocation (the backend's vectors): std::bad_alloc, as Thrust's allocators
 ///   throw (the library does not translate it);
-/// - a copy, fill, kernel launch, event record or stream wait: backend_error, and nothing is
-///   enqueued (a failed launch);
+/// - a copy, fill, kernel launch (bulk_async, launch_async, launch_dependent_async), event record or
+///   stream wait: backend_error, and nothing is enqueued (a failed launch);
+/// - registering host memory for kernels to write (cudaHostRegister): backend_error, nothing
+///   registered;
+/// - unregistering it (cudaHostUnregister, whose errors the library ignores by contract: it is
+///   noexcept, called on teardown): counted, and when it fails nothing is unregistered and nothing
+///   is thrown (fault_kind::ignored);
 /// - an event query: backend_error;
 /// - waiting for an event or a stream: backend_error after the wait, as a sticky error reported by
 ///   cudaEventSynchronize arrives once the work is over.
@@ -144,6 +149,27 @@ struct faulty_backend {
   static void bulk_async(std::int64_t n, Op op, stream_ref s)
   {
     enqueue("bulk_async", [&] { Base::bulk_async(n, op, s); });
+  }
+  template <class Op>
+  static void launch_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref s)
+  {
+    enqueue("launch_async", [&] { Base::launch_async(num_blocks, block_threads, op, s); });
+  }
+  template <class Op>
+  static void launch_dependent_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref s)
+  {
+    enqueue("launch_dependent_async", [&] { Base::launch_dependent_async(num_blocks, block_threads, op, s); });
+  }
+  static void register_host(void* p, std::size_t bytes)
+  {
+    fault_injector::backend_op_scope scope{"register_host", fault_kind::enqueue};
+    fault_injector::get().backend_point("register_host", fault_kind::enqueue);
+    Base::register_host(p, bytes);
+  }
+  static void unregister_host(void* p) noexcept
+  {
+    if (fault_injector::get().ignored_point("unregister_host")) { return; }  // the error is ignored
+    Base::unregister_host(p);
   }
   static void record(event& e, stream_ref s)
   {

@@ -27,6 +27,7 @@ enum class fault_kind : std::uint8_t {
   query,     ///< an event query (cudaEventQuery) failed
   wait,      ///< waiting for an event or a stream failed (after the wait, as a sticky error does)
   host_new,  ///< operator new failed outside any backend operation
+  ignored,   ///< a call whose errors the library ignores by contract (unregister_host) failed
 };
 
 /// @brief Which failure points a sweep arms.
@@ -99,6 +100,21 @@ class fault_injector {
       throw routing_replay::error{routing_replay::errc::backend_error,
                                   std::string{"injected fault: "} + op + " failed"};
     }
+  }
+  /// @brief A failure point the library ignores by contract (a noexcept teardown call): true if it
+  /// must fail; never throws.
+  bool ignored_point(const char* op) noexcept
+  {
+    if (!counting(fault_source::backend) || (!only_op_.empty() && only_op_ != op)) { return false; }
+    if (++count_ != armed_at_) { return false; }
+    in_hook_ = true;  // fire() builds a string: not a host failure point
+    try {
+      fire(op, fault_kind::ignored);
+    } catch (...) {  // the string could not be built: the fault still fired
+      fired_kind_ = fault_kind::ignored;
+    }
+    in_hook_ = false;
+    return true;
   }
   /// @brief A device or pinned allocation: throws std::bad_alloc if it is the armed one (Thrust's
   /// allocation failures derive from it; the library does not translate them).

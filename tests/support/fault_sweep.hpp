@@ -99,42 +99,6 @@ void fault_schedule(checked_replay<RR>& d)
   d.check_everything();
 }
 
-/// @brief A failure the core is known to have (CORE-BUG-n in docs/reliability.md): the failure point's
-/// site and a fragment of the violation. Each has a test of its own in test_core_bugs.cpp, skipped
-/// until the integrator applies its patch; remove the entry with the fix.
-struct known_core_bug {
-  const char* site;     ///< fragment of the failure point ("copy_async in end_step")
-  const char* symptom;  ///< fragment of the violation
-  const char* id;
-};
-inline const known_core_bug known_core_bugs[] = {
-  // a failed enqueue in end_step leaves the failed step's work queued and its traces in the ring
-  // slot's status, in D and in the capture status: the slot's next step is reported with the failed
-  // step's problem, or has its own problem erased by the failed step's queued status reset
-  {"in end_step", "was clean but was reported", "CORE-BUG-2"},
-  {"in end_step", "had a device-detected problem", "CORE-BUG-2"},
-  // a failed host allocation in add_request leaves the request registered (or its handle lost)
-  {"operator new in add_request", "", "CORE-BUG-4"},
-  // a failed host allocation in begin_step leaves part of the step applied: the step serial moved
-  // on, some requests grew, draft groups of a step that never opened, fresh blocks applied, claims
-  {"operator new in begin_step", "", "CORE-BUG-5"},
-  // a failed host allocation in release or abort (the free-handle list) after the request was
-  // already forgotten
-  {"operator new in release", "", "CORE-BUG-6"},
-  {"operator new in abort", "", "CORE-BUG-6"},
-};
-
-/// @brief The id of the known core bug a failure is, or nullptr. With RR_FAULT_NO_KNOWN_BUGS set
-/// (to check a core with the patches applied), none is known.
-inline const char* known_bug(const std::string& site, const std::string& failure)
-{
-  if (std::getenv("RR_FAULT_NO_KNOWN_BUGS") != nullptr) { return nullptr; }
-  for (const auto& b : known_core_bugs) {
-    if (site.find(b.site) != std::string::npos && failure.find(b.symptom) != std::string::npos) { return b.id; }
-  }
-  return nullptr;
-}
-
 /// @brief What a sweep found.
 struct sweep_result {
   std::uint64_t points = 0;  ///< failure points of a clean run
@@ -178,26 +142,21 @@ sweep_result sweep(fault_source source)
     });
     result.fired += injector.fired();
     if (!failure.empty()) {
-      const std::string site = injector.fired_op();
-      const char* bug        = known_bug(site, failure);
-      result.failures.push_back((bug != nullptr ? std::string{"[known "} + bug + "] " : std::string{}) + site +
-                                " (point " + std::to_string(k) + "): " + failure);
+      result.failures.push_back(injector.fired_op() + " (point " + std::to_string(k) + "): " + failure);
     }
   }
   injector.disarm();
   return result;
 }
 
-/// @brief Reports a sweep; every failure that is not a known core bug fails the test.
+/// @brief Reports a sweep; every contract failure fails the test.
 inline void check_sweep(const sweep_result& r, const std::string& what)
 {
   MESSAGE(what << ": " << r.points << " failure points, " << r.fired << " faults injected, " << r.failures.size()
-               << " contract failures (known core bugs included)");
+               << " contract failures");
   CHECK(r.points > 0);
   CHECK(r.fired > 0);
-  for (const auto& f : r.failures) {
-    if (f.rfind("[known ", 0) != 0) { FAIL_CHECK(f); }
-  }
+  for (const auto& f : r.failures) { FAIL_CHECK(f); }
 }
 
 }  // namespace rr_test

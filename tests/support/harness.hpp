@@ -36,6 +36,123 @@ struct harness_shape {
 /// @brief The capture path a layer uses in a step.
 enum class capture_path { capture_int64, capture_int32, capture_int16, layer_view, device_ref };
 
+/// @brief What a simulated forward uses on the device: its stream, the rows' metadata (pinned for
+/// the copy, and on the device) and a router output of each source id type.
+template <class Backend>
+struct router_scratch {
+  /// @brief For forwards of up to `rows` rows of router outputs `stride` ids wide.
+  router_scratch(std::int64_t rows, std::int64_t stride)
+    : meta_host(static_cast<std::size_t>(rows)),
+      meta_dev(static_cast<std::size_t>(rows)),
+      ids64(static_cast<std::size_t>(rows * stride)),
+      ids32(static_cast<std::size_t>(rows * stride)),
+      ids16(static_cast<std::size_t>(rows * stride))
+  {
+  }
+  typename Backend::stream stream;
+  typename Backend::template pinned_vector<row_meta> meta_host;
+  typename Backend::template device_vector<row_meta> meta_dev;
+  typename Backend::template device_vector<std::int64_t> ids64;
+  typename Backend::template device_vector<std::int32_t> ids32;
+  typename Backend::template device_vector<std::int16_t> ids16;
+};
+
+/// @brief The replay_config of a simulated engine and a replay shape.
+inline routing_replay::replay_config make_replay_config(const sim_config& sim, const harness_shape& shape)
+{
+  routing_replay::replay_config c;
+  c.num_experts              = shape.num_experts;
+  c.top_k                    = shape.top_k;
+  c.num_fused_shared_experts = shape.num_fused_shared_experts;
+  c.max_tokens_per_step      = sim.max_tokens_per_step;
+  c.max_model_len            = sim.max_model_len;
+  c.moe_layers               = shape.moe_layers;
+  c.num_model_layers         = shape.num_model_layers;
+  c.block_size               = sim.block_size;
+  c.num_blocks               = sim.num_blocks;
+  c.overwrite_recomputed_rows = shape.overwrite;
+  return c;
+}
+
+/// @brief The row the synthetic router produces for `m`: every captured layer's K ids.
+template <class Index>
+[[nodiscard]] std::vector<Index> routed_row(const row_meta& m, const harness_shape& shape)
+{
+  std::vector<Index> row;
+  for (std::size_t slot = 0; slot < shape.moe_layers.size(); ++slot) {
+    for (std::int32_t k = 0; k < shape.top_k; ++k) {
+      row.push_back(static_cast<Index>(routed_expert(m, static_cast<std::int32_t>(slot), k, shape.num_experts)));
+    }
+  }
+  return row;
+}
+
+/// @brief Registers the requests a step admits, and the cached prefixes it serves, with the library
+/// (`lib`: a RoutingReplay, or any host side) and the reference model alike.
+template <class Lib, class Index>
+void admit_step(Lib& lib, reference_model<Index>& model, const engine_sim& engine, const engine_sim::step& step)
+{
+  for (const auto& [number, cached] : step.prefixes) {
+    const auto& r = engine.requests()[static_cast<std::size_t>(number)];
+    if (std::find(step.added.begin(), step.added.end(), number) != step.added.end()) {
+      lib.add_request(r.key(), {r.prompt_len, cached});
+      model.add_request(r.key(), r.prompt_len, cached);
+    } else {
+      lib.add_cached_prefix(r.key(), cached);
+      model.add_cached_prefix(r.key(), cached);
+    }
+  }
+}
+
+/// @brief Path (a): the synthetic router writes layer slot `slot`'s output for `rows` rows of
+/// `meta` into `ids` (a device vector of any id type), and `lib` captures it as `model_layer`.
+template <class Backend, class Lib, class Vector>
+void capture_router_output(Lib& lib, Vector& ids, const row_meta* meta, const harness_shape& shape, std::int32_t slot,
+                           std::int32_t model_layer, std::int64_t rows, typename Backend::stream_ref stream)
+{
+  using source              = typename Vector::value_type;
+  const std::int64_t stride = shape.top_k + shape.num_fused_shared_experts;
+  source* out               = Backend::data(ids);
+  Backend::bulk_async(rows * stride, write_router_output<source>{meta, out, stride, shape.top_k, slot, shape.num_experts},
+                      stream);
+  lib.capture(model_layer, static_cast<const source*>(out), rows, stream);
+}
+
+/// @brief Extracts `key` from `lib` (a RoutingReplay, or any host side) and checks it bit-exact
+/// against the reference model; `also_copy()` says whether extract_into() is checked too. Returns
+/// the rows compared.
+template <class Lib, class Index, class AlsoCopy>
+std::int64_t compare_extraction(Lib& lib, const reference_model<Index>& model, routing_replay::request_key key,
+                                const routing_replay::extract_options& o, AlsoCopy also_copy)
+{
+  const std::int64_t recorded = model.recorded_rows(key);
+  REQUIRE(lib.recorded_rows(key) == recorded);
+  const std::int64_t end = o.end_position < 0 ? recorded : o.end_position;
+  const auto expected    = model.extract(key, o.start_position, end);
+  const auto got         = lib.extract(key, o);
+  REQUIRE(got.num_rows() == end - o.start_position);
+  REQUIRE(got.first_position() == o.start_position);
+  REQUIRE(got.prompt_length() == model.prompt_length(key));
+  const auto flat = got.flat();
+  REQUIRE(flat.size() == expected.size());
+  const std::int64_t row_size = lib.row_size();
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    if (flat[i] != expected[i]) {
+      std::ostringstream where;
+      where << "request " << key.to_string() << " position "
+            << o.start_position + static_cast<std::int64_t>(i) / row_size << " element "
+            << static_cast<std::int64_t>(i) % row_size << ": got " << +flat[i] << ", expected " << +expected[i];
+      FAIL(where.str());
+    }
+  }
+  if (also_copy()) {  // the copying path agrees with the view
+    std::vector<Index> copy(expected.size());
+    REQUIRE(lib.extract_into(key, copy, o) == end - o.start_position);
+    REQUIRE(copy == expected);
+  }
+  return end - o.start_position;
+}
+
 /// @brief Runs one randomized schedule; throws doctest failures on the first mismatch.
 template <class RR>
 class replay_harness {
@@ -48,17 +165,13 @@ class replay_harness {
   replay_harness(const sim_config& sim, const harness_shape& shape, std::uint64_t seed)
     : sim_cfg_(sim),
       shape_(shape),
-      config_(make_config(sim, shape)),
+      config_(make_replay_config(sim, shape)),
       lib_(config_),
       model_(slot_storage, shape.overwrite, sim.block_size, sim.num_blocks,
              static_cast<std::int64_t>(shape.moe_layers.size()) * shape.top_k),
       engine_(sim, seed),
       rng_(seed * 7919 + 17),
-      meta_host_(static_cast<std::size_t>(sim.max_tokens_per_step)),
-      meta_dev_(static_cast<std::size_t>(sim.max_tokens_per_step)),
-      ids64_(scratch_size()),
-      ids32_(scratch_size()),
-      ids16_(scratch_size())
+      io_(sim.max_tokens_per_step, shape.top_k + shape.num_fused_shared_experts)
   {
   }
 
@@ -106,12 +219,12 @@ class replay_harness {
     const std::int32_t model_layer = shape_.moe_layers[static_cast<std::size_t>(slot)];
     const std::int32_t k           = shape_.top_k;
     const std::int64_t e           = shape_.num_experts;
-    const row_meta* meta           = backend::data(meta_dev_);
+    const row_meta* meta           = backend::data(io_.meta_dev);
     auto s                         = stream_ref();
     switch (path) {
-      case capture_path::capture_int64: capture_through(ids64_, slot, model_layer, num_rows); break;
-      case capture_path::capture_int32: capture_through(ids32_, slot, model_layer, num_rows); break;
-      case capture_path::capture_int16: capture_through(ids16_, slot, model_layer, num_rows); break;
+      case capture_path::capture_int64: capture_through(io_.ids64, slot, model_layer, num_rows); break;
+      case capture_path::capture_int32: capture_through(io_.ids32, slot, model_layer, num_rows); break;
+      case capture_path::capture_int16: capture_through(io_.ids16, slot, model_layer, num_rows); break;
       case capture_path::layer_view: {
         auto view = lib_.layer_view(model_layer, num_rows);
         backend::bulk_async(num_rows * k, write_layer_view<decltype(view)>{meta, view, k, slot, e}, s);
@@ -128,33 +241,11 @@ class replay_harness {
   /// @brief The library under test.
   RR& library() noexcept { return lib_; }
   /// @brief The stream every step runs on.
-  typename backend::stream_ref stream_ref() noexcept { return stream_.ref(); }
+  typename backend::stream_ref stream_ref() noexcept { return io_.stream.ref(); }
   /// @brief Rows compared so far.
   [[nodiscard]] std::int64_t rows_checked() const noexcept { return rows_checked_; }
 
  private:
-  static routing_replay::replay_config make_config(const sim_config& sim, const harness_shape& shape)
-  {
-    routing_replay::replay_config c;
-    c.num_experts              = shape.num_experts;
-    c.top_k                    = shape.top_k;
-    c.num_fused_shared_experts = shape.num_fused_shared_experts;
-    c.max_tokens_per_step      = sim.max_tokens_per_step;
-    c.max_model_len            = sim.max_model_len;
-    c.moe_layers               = shape.moe_layers;
-    c.num_model_layers         = shape.num_model_layers;
-    c.block_size               = sim.block_size;
-    c.num_blocks               = sim.num_blocks;
-    c.overwrite_recomputed_rows = shape.overwrite;
-    return c;
-  }
-
-  [[nodiscard]] std::size_t scratch_size() const
-  {
-    return static_cast<std::size_t>(sim_cfg_.max_tokens_per_step) *
-           static_cast<std::size_t>(shape_.top_k + shape_.num_fused_shared_experts);
-  }
-
   capture_path random_path()
   {
     return static_cast<capture_path>(std::uniform_int_distribution<int>{0, 4}(rng_));
@@ -163,29 +254,13 @@ class replay_harness {
   template <class Vector>
   void capture_through(Vector& ids, std::int32_t slot, std::int32_t model_layer, std::int64_t num_rows)
   {
-    using source               = typename Vector::value_type;
-    const std::int64_t stride  = shape_.top_k + shape_.num_fused_shared_experts;
-    source* out                = backend::data(ids);
-    backend::bulk_async(num_rows * stride,
-                        write_router_output<source>{backend::data(meta_dev_), out, stride,
-                                                    shape_.top_k, slot, shape_.num_experts},
-                        stream_ref());
-    lib_.capture(model_layer, static_cast<const source*>(out), num_rows, stream_ref());
+    capture_router_output<backend>(lib_, ids, backend::data(io_.meta_dev), shape_, slot, model_layer, num_rows, stream_ref());
   }
 
   void one_step()
   {
     auto step = engine_.next_step();
-    for (const auto& [number, cached] : step.prefixes) {
-      const auto& r = engine_.requests()[static_cast<std::size_t>(number)];
-      if (std::find(step.added.begin(), step.added.end(), number) != step.added.end()) {
-        lib_.add_request(r.key(), {r.prompt_len, cached});
-        model_.add_request(r.key(), r.prompt_len, cached);
-      } else {
-        lib_.add_cached_prefix(r.key(), cached);
-        model_.add_cached_prefix(r.key(), cached);
-      }
-    }
+    admit_step(lib_, model_, engine_, step);
 
     const std::int64_t n = step.plan.num_rows();
     std::int64_t padded  = n;
@@ -195,14 +270,14 @@ class replay_harness {
     }
     if (padded > n && engine_.chance(0.5)) { step.plan.set_padded_rows(padded); }
     for (std::int64_t i = 0; i < padded; ++i) {
-      meta_host_[static_cast<std::size_t>(i)] =
+      io_.meta_host[static_cast<std::size_t>(i)] =
         i < n ? step.rows[static_cast<std::size_t>(i)] : row_meta{-2, i, -1};  // padding rows
     }
     auto s = stream_ref();
     lib_.begin_step(step.plan, s);
     model_.begin_step(step.plan);
     ++serial_;
-    backend::copy_async(backend::data(meta_dev_), backend::data(meta_host_),
+    backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host),
                         static_cast<std::size_t>(padded) * sizeof(row_meta), s);
     if (forward_) {
       forward_(padded);
@@ -243,47 +318,11 @@ class replay_harness {
     }
   }
 
-  [[nodiscard]] std::vector<index> expected_row(const row_meta& m) const
-  {
-    std::vector<index> row;
-    for (std::size_t slot = 0; slot < shape_.moe_layers.size(); ++slot) {
-      for (std::int32_t k = 0; k < shape_.top_k; ++k) {
-        row.push_back(static_cast<index>(
-          routed_expert(m, static_cast<std::int32_t>(slot), k, shape_.num_experts)));
-      }
-    }
-    return row;
-  }
+  [[nodiscard]] std::vector<index> expected_row(const row_meta& m) const { return routed_row<index>(m, shape_); }
 
   void compare(routing_replay::request_key key, const routing_replay::extract_options& o)
   {
-    const std::int64_t recorded = model_.recorded_rows(key);
-    REQUIRE(lib_.recorded_rows(key) == recorded);
-    const std::int64_t end = o.end_position < 0 ? recorded : o.end_position;
-    const auto expected    = model_.extract(key, o.start_position, end);
-    const auto got         = lib_.extract(key, o);
-    REQUIRE(got.num_rows() == end - o.start_position);
-    REQUIRE(got.first_position() == o.start_position);
-    REQUIRE(got.prompt_length() == model_.prompt_length(key));
-    const auto flat = got.flat();
-    REQUIRE(flat.size() == expected.size());
-    const std::int64_t row_size = lib_.row_size();
-    for (std::size_t i = 0; i < expected.size(); ++i) {
-      if (flat[i] != expected[i]) {
-        std::ostringstream where;
-        where << "request " << key.to_string() << " position "
-              << o.start_position + static_cast<std::int64_t>(i) / row_size << " element "
-              << static_cast<std::int64_t>(i) % row_size << ": got " << +flat[i] << ", expected "
-              << +expected[i];
-        FAIL(where.str());
-      }
-    }
-    if (engine_.chance(0.25)) {  // the copying path agrees with the view
-      std::vector<index> copy(expected.size());
-      REQUIRE(lib_.extract_into(key, copy, o) == end - o.start_position);
-      REQUIRE(copy == expected);
-    }
-    rows_checked_ += end - o.start_position;
+    rows_checked_ += compare_extraction(lib_, model_, key, o, [&] { return engine_.chance(0.25); });
   }
 
   sim_config sim_cfg_;
@@ -293,12 +332,7 @@ class replay_harness {
   reference_model<index> model_;
   engine_sim engine_;
   std::mt19937_64 rng_;
-  typename backend::stream stream_;
-  typename backend::template pinned_vector<row_meta> meta_host_;
-  typename backend::template device_vector<row_meta> meta_dev_;
-  typename backend::template device_vector<std::int64_t> ids64_;
-  typename backend::template device_vector<std::int32_t> ids32_;
-  typename backend::template device_vector<std::int16_t> ids16_;
+  router_scratch<backend> io_;
   std::function<void(std::int64_t)> forward_;
   std::uint64_t serial_       = 0;
   std::int64_t rows_checked_  = 0;

@@ -1,7 +1,6 @@
 /// @file
 /// Every combination of index type x buffer layout x host storage for a backend and copy strategy,
-/// as a doctest type list, so one TEST_CASE_TEMPLATE covers them all. device_scatter pairs with
-/// block-slot storage only (per-request storage refuses it at compile time, by design).
+/// as a doctest type list, so one TEST_CASE_TEMPLATE covers them all.
 #pragma once
 
 #include <routing_replay/routing_replay.hpp>
@@ -13,12 +12,9 @@
 namespace rr_test {
 
 template <class Backend, class Copy, class Index, class Layout>
-using storages = std::conditional_t<
-  Copy::site == routing_replay::scatter_site::device,
-  std::tuple<routing_replay::RoutingReplay<Backend, Index, Layout, Copy, routing_replay::block_slot_storage>>,
-  std::tuple<
-    routing_replay::RoutingReplay<Backend, Index, Layout, Copy, routing_replay::per_request_storage>,
-    routing_replay::RoutingReplay<Backend, Index, Layout, Copy, routing_replay::block_slot_storage>>>;
+using storages =
+  std::tuple<routing_replay::RoutingReplay<Backend, Index, Layout, Copy, routing_replay::per_request_storage>,
+             routing_replay::RoutingReplay<Backend, Index, Layout, Copy, routing_replay::block_slot_storage>>;
 
 template <class... Tuples>
 using concat = decltype(std::tuple_cat(std::declval<Tuples>()...));
@@ -37,7 +33,7 @@ template <class Backend, class Copy>
 using signed_index_combinations =
   concat<layouts<Backend, Copy, std::int16_t>, layouts<Backend, Copy, std::int32_t>>;
 
-/// @brief The 16 combinations of one backend and one copy strategy (8 for device_scatter).
+/// @brief The 16 combinations of one backend and one copy strategy.
 template <class Backend, class Copy>
 using all_combinations =
   concat<unsigned_index_combinations<Backend, Copy>, signed_index_combinations<Backend, Copy>>;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <utility>
 
 namespace rr_test::strategies {
 
@@ -28,7 +29,14 @@ using device_scatter_uint16 =
   rr::RoutingReplay<B, std::uint16_t, rr::token_major, rr::device_scatter<2>, rr::block_slot_storage>;
 template <class B>
 using device_scatter3_int16 =
-  rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::device_scatter<3>, rr::block_slot_storage>;
+  rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::device_scatter<3>, rr::per_request_storage>;
+
+template <class B>
+using sync_block_slot_uint8 =
+  rr::RoutingReplay<B, std::uint8_t, rr::token_major, rr::sync_copy, rr::block_slot_storage>;
+template <class B>
+using async_event_block_slot_int16 =
+  rr::RoutingReplay<B, std::int16_t, rr::layer_major, rr::async_event, rr::block_slot_storage>;
 
 }  // namespace rr_test::strategies
 
@@ -40,6 +48,14 @@ using one_per_strategy =
   std::tuple<strategies::sync_int16<B>, strategies::async_event_uint8<B>, strategies::double_buffered_int16<B>,
              strategies::double_buffered4_int32<B>, strategies::device_scatter_uint16<B>,
              strategies::device_scatter3_int16<B>>;
+
+/// @brief Every copy strategy with each storage it takes (one_per_strategy plus the pairings it
+/// lacks), for the checks that run per strategy and storage on the GPU.
+template <class B>
+using every_strategy_and_storage =
+  decltype(std::tuple_cat(std::declval<one_per_strategy<B>>(),
+                          std::declval<std::tuple<strategies::sync_block_slot_uint8<B>,
+                                                  strategies::async_event_block_slot_int16<B>>>()));
 
 /// @brief The strategies that copy on a side stream (all but sync_copy).
 template <class B>

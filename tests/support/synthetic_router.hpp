@@ -96,6 +96,7 @@ struct record_through_ref {
   std::int32_t top_k;
   std::int32_t layer;
   std::int64_t num_experts;
+  std::int32_t slot      = -1;  ///< the layer slot recorded into, when it is not `layer` (a pipeline stage's D)
   std::int64_t bad_cell  = -1;  ///< see routed_or_bad
   std::int64_t bad_value = 0;
 
@@ -103,7 +104,8 @@ struct record_through_ref {
   {
     const auto row    = static_cast<std::int32_t>(i / top_k);
     const auto column = static_cast<std::int32_t>(i % top_k);
-    ref.record(layer, row, column, routed_or_bad(meta[row], layer, row, column, top_k, num_experts, bad_cell, bad_value));
+    ref.record(slot < 0 ? layer : slot, row, column,
+               routed_or_bad(meta[row], layer, row, column, top_k, num_experts, bad_cell, bad_value));
   }
 };
 

@@ -5,6 +5,7 @@
 
 #include <routing_replay/config.hpp>
 #include <routing_replay/detail/row_claim.hpp>
+#include <routing_replay/detail/row_memory.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
@@ -31,9 +32,11 @@ namespace routing_replay::detail {
 /// when a step begins, while earlier steps' rows are still on their way), and the host never writes
 /// pool memory a kernel may be writing. Reads also require a non-sentinel row, so rows a failed
 /// step replaced with the sentinel read as missing.
-/// @tparam Rows the pool's container: std::vector, or a pinned vector that kernels can write
-template <class Index, class Rows = std::vector<Index>>
+/// @tparam RowMemory host_written_rows, or device_written_rows when kernels write the pool
+template <class Index, class RowMemory = host_written_rows>
 class block_slot_store {
+  using Rows = typename RowMemory::template vector<Index>;
+
  public:
   /// @brief Whether rows live at KV slots (true: at slots).
   static constexpr bool slot_indexed = true;
@@ -158,14 +161,19 @@ class block_slot_store {
   /// @brief The host memory limit.
   [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
 
-  /// @brief Makes room to record positions [0, rows) of `h`.
-  void reserve(std::uint32_t h, std::int64_t rows, bool)
+  /// @brief Makes room to record positions [0, rows) of `h`. Metadata only: returns false (nothing
+  /// for undo_reserve() to take back).
+  bool reserve(std::uint32_t h, std::int64_t rows, bool)
   {
     auto& map = positions_[h];
     if (static_cast<std::int64_t>(map.size()) < rows) {
       map.resize(static_cast<std::size_t>(rows), slot_ref{});
     }
+    return false;
   }
+
+  /// @brief Nothing to take back: reserve() only makes room in metadata.
+  void undo_reserve(std::uint32_t) noexcept {}
 
   /// @brief A new KV allocation of these blocks: their old rows become stale for everyone.
   /// Metadata only: a new generation makes every earlier claim on the blocks stale.
@@ -234,23 +242,42 @@ class block_slot_store {
     const slot_ref prior = at;
     at                   = slot_ref{slot, planned};
     if (generation_of(slot) != planned) { return {}; }
-    if (!replace && claimed_in_[static_cast<std::size_t>(slot)] == planned) { return {}; }
-    claimed_in_[static_cast<std::size_t>(slot)]      = planned;
-    claimed_by_step_[static_cast<std::size_t>(slot)] = step;
+    const auto s      = static_cast<std::size_t>(slot);
+    const bool held   = claimed_in_[s] == planned;
+    if (!replace && held) { return {}; }
+    const std::uint64_t replaced = held ? claimed_by_step_[s] : row_claim<Index>::no_claim;
+    claimed_in_[s]               = planned;
+    claimed_by_step_[s]          = step;
     if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
-    return {row_at(slot), nullptr};
+    return {row_at(slot), nullptr, replaced};
+  }
+
+  /// @brief A discarded step `serial` gives back its claim of `slot`, which replaced the claim of
+  /// step `prior` (row_claim::replaced): the row there is `prior`'s again.
+  void restore_claim(std::uint32_t, std::int64_t, std::int64_t slot, std::uint64_t serial, std::uint64_t prior) noexcept
+  {
+    const auto at = static_cast<std::size_t>(slot);
+    if (claimed_by_step_[at] == serial && claimed_in_[at] == generation_of(slot)) { claimed_by_step_[at] = prior; }
   }
 
   /// @brief Every step up to `serial` has been filed: rows they claimed have arrived. Rows of later
   /// steps (the open one, or one still in flight) read as missing until then.
   void set_filed_through(std::uint64_t serial) noexcept { filed_through_ = serial; }
 
-  /// @brief Undoes the claim of the slot whose row starts at `row` (a device-scatter step that was
-  /// discarded), unless its block has moved on since.
-  void unclaim_row(const Index* row) noexcept
+  /// @brief Undoes the claim of `slot` if step `serial` made it in its block's current generation
+  /// (a discarded step).
+  void unclaim(std::uint32_t, std::int64_t, std::int64_t slot, std::uint64_t serial) noexcept
   {
-    const auto slot = static_cast<std::size_t>((row - base_) / row_elems_);
-    if (claimed_in_[slot] == generation_of(static_cast<std::int64_t>(slot))) { claimed_in_[slot] = 0u; }
+    const auto at = static_cast<std::size_t>(slot);
+    if (claimed_by_step_[at] == serial && claimed_in_[at] == generation_of(slot)) { claimed_in_[at] = 0u; }
+  }
+
+  /// @brief Calls `emit(dst, elems)` for the `elems` ids at `host_dst`: kernels reach the pool at
+  /// the host's addresses.
+  template <class Emit>
+  void device_pieces(std::uint32_t, Index* host_dst, std::int64_t elems, Emit&& emit) const
+  {
+    emit(host_dst, elems);
   }
 
   /// @brief Forgets the row of (`h`, `position`) (a rejected draft) if it is still current.
@@ -266,6 +293,34 @@ class block_slot_store {
   [[nodiscard]] const Index* contiguous(std::uint32_t, std::int64_t, std::int64_t) const noexcept
   {
     return nullptr;
+  }
+
+  /// @brief Copies rows [first, first + count) of `h` to `out`, the sentinel for missing ones; a
+  /// run of positions at consecutive slots (a KV block) is one copy.
+  void read_rows(std::uint32_t h, std::int64_t first, std::int64_t count, Index* out) const
+  {
+    const auto& map       = positions_[h];
+    const std::int64_t end = first + count;
+    std::int64_t p        = first;
+    while (p < end) {
+      const Index* row = p < static_cast<std::int64_t>(map.size()) ? valid_row(map[static_cast<std::size_t>(p)])
+                                                                    : nullptr;
+      if (row == nullptr) {
+        std::fill_n(out, row_elems_, index_traits<Index>::sentinel);
+        out += row_elems_;
+        ++p;
+        continue;
+      }
+      std::int64_t run = 1;  // extend while the next position is valid at the next slot
+      while (p + run < end && p + run < static_cast<std::int64_t>(map.size())) {
+        const slot_ref& next = map[static_cast<std::size_t>(p + run)];
+        if (next.slot != map[static_cast<std::size_t>(p)].slot + run || valid_row(next) == nullptr) { break; }
+        ++run;
+      }
+      std::memcpy(out, row, static_cast<std::size_t>(run * row_elems_) * sizeof(Index));
+      out += run * row_elems_;
+      p += run;
+    }
   }
 
   /// @brief Copies the row of (`h`, `position`) to `out`; false if missing or stale.

@@ -3,7 +3,8 @@
 /// the step's status, its events and everything filing needs from its plan.
 #pragma once
 
-#include <routing_replay/detail/kernels.hpp>
+#include <routing_replay/data_path/step_record.hpp>
+#include <routing_replay/detail/scatter_op.hpp>
 #include <routing_replay/detail/step_status.hpp>
 
 #include <cstddef>
@@ -12,32 +13,6 @@
 #include <vector>
 
 namespace routing_replay::detail {
-
-/// @brief One scheduled request of a step, resolved to its handle.
-struct step_run {
-  std::uint32_t handle;         ///< request handle
-  std::uint32_t generation;     ///< handle generation when planned (moved on: the request is gone)
-  std::int64_t first_row;       ///< first row of the step
-  std::int64_t first_position;  ///< position of that row
-  std::int32_t num_tokens;      ///< rows
-  std::int32_t num_draft;       ///< trailing draft rows
-  std::int64_t slots_begin;     ///< index into step_record::slots, -1 without slots
-  std::int64_t recorded_before = 0;  ///< device scatter: the request's T before the step's claims
-  std::int64_t recorded_after  = 0;  ///< ... and after them (a discard restores T if unchanged)
-};
-
-/// @brief Everything filing needs, copied out of the step_plan when the step begins.
-template <class Index>
-struct step_record {
-  std::uint64_t serial  = 0;                   ///< step serial
-  std::int64_t num_rows = 0;                   ///< N
-  std::vector<step_run> runs;                  ///< scheduled requests in batch order
-  std::vector<std::int64_t> slots;             ///< KV slots of every run, flat
-  std::vector<std::uint32_t> generations;      ///< generation of each slot's block when planned
-  std::vector<std::int64_t> fresh_blocks;      ///< blocks declared fresh
-  std::int64_t padded_rows = -1;               ///< rows the forward writes, if declared
-  std::vector<scatter_op<Index>> ops;          ///< device scatter: every row's place, planned
-};
 
 /// @brief One step in flight: the snapshot the end-of-step kernel takes of D, where its rows and
 /// status arrive, and the events that order the copy after the snapshot and the host after the copy.
@@ -50,20 +25,29 @@ struct ring_slot {
       device_status(1),
       staging(host_scatters ? max_rows * row_elems : 0),
       status(1),
-      ops(host_scatters ? 0 : max_rows),
-      device_ops(host_scatters ? 0 : max_rows)
+      ops(host_scatters ? 0 : max_pieces(max_rows, row_elems)),
+      blocks_done(host_scatters ? 0 : 1)
   {
+  }
+
+  /// @brief The most pieces a step of `max_rows` rows splits into: a row starts at most one piece
+  /// and is cut at most once more (at the end of a storage segment), and pieces are at most
+  /// max_piece_elems long.
+  [[nodiscard]] static std::size_t max_pieces(std::size_t max_rows, std::size_t row_elems) noexcept
+  {
+    return 2 * max_rows + max_rows * row_elems / static_cast<std::size_t>(max_piece_elems) + 1;
   }
 
   typename Backend::template device_vector<Index> snapshot;             ///< [N, L, K] on the device
   typename Backend::template device_vector<step_status> device_status;  ///< the step's verdict
   typename Backend::template pinned_vector<Index> staging;              ///< [N, L, K] on the host
   typename Backend::template pinned_vector<step_status> status;         ///< the verdict, copied
-  typename Backend::template pinned_vector<scatter_op<Index>> ops;      ///< planned rows, pinned
-  typename Backend::template device_vector<scatter_op<Index>> device_ops;  ///< ... on the device
+  typename Backend::template pinned_vector<scatter_op<Index>> ops;  ///< pieces, read by the kernel
+  typename Backend::template device_vector<unsigned int> blocks_done;  ///< the scatter's last block
   typename Backend::event snapshot_taken;  ///< compute stream: D is snapshotted and reset
   typename Backend::event copied;          ///< copy stream: rows and status have arrived
-  step_record<Index> step;                 ///< the step this slot holds
+  bool status_dirty = false;               ///< a step failed here: zero the status before reuse
+  routing_replay::step_record<Index> step;                 ///< the step this slot holds
 };
 
 /// @brief A FIFO of `depth` ring slots. Destroying it (or assigning over it) first waits for every

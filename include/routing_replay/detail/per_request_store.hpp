@@ -1,162 +1,349 @@
 /// @file
-/// Per-request growable host storage: each request owns one contiguous [capacity, L, K] array.
+/// Per-request host storage: each request's rows at its positions, contiguous for the host, at
+/// addresses that never move while the request lives, so a kernel may write them (device scatter)
+/// while the host plans later steps, and extraction is a view.
 #pragma once
 
 #include <routing_replay/config.hpp>
+#include <routing_replay/detail/row_arena.hpp>
 #include <routing_replay/detail/row_claim.hpp>
+#include <routing_replay/detail/row_memory.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace routing_replay::detail {
 
-/// @brief Rows of each request at their positions, in one growable array per request.
+/// @brief Rows of each request at their positions, in a reserved address range per request.
 ///
-/// Growth is amortised (doubling) and capped at max_model_len rows; capacity is reserved in
-/// begin_step so that the scatter never allocates and the memory limit is checked before anything
-/// changes. Unwritten rows hold the sentinel, which is also how "already recorded" is detected.
-template <class Index>
+/// A request's range grows by segments from a row_arena (each at least doubling its capacity, or
+/// exactly what a step needs when doubling would cross host_memory_limit), mapped one after the
+/// other into the range: the host sees the request's rows contiguous, and kernels write them at
+/// the segments' arena addresses (device_pieces()). Nothing is ever copied to grow.
+///
+/// Which positions hold a row is metadata (the serial of the step that claimed each one), never
+/// read from the rows: claims can be made when a step begins, before its rows arrive, and rows
+/// of a step are readable once it has been filed (set_filed_through()). Positions never recorded
+/// read as missing; a view of them holds the sentinel.
+/// @tparam RowMemory host_written_rows, or device_written_rows when kernels write the rows
+template <class Index, class RowMemory = host_written_rows>
 class per_request_store {
+  using arena_type = row_arena<RowMemory>;
+
+  struct request_rows {
+    std::byte* view = nullptr;                       // the reserved range
+    std::size_t capacity = 0;                        // bytes mapped at its start
+    std::vector<typename arena_type::block> segments;  // mapped one after the other
+    std::vector<std::uint64_t> claimed_by;           // per position: the claiming step, 0 if none
+    std::uint64_t last_claim = 0;                    // the latest step that claimed a row here
+  };
+
  public:
   /// @brief Whether rows live at KV slots (false: at request positions).
   static constexpr bool slot_indexed = false;
 
   per_request_store(const replay_config& config, std::int64_t row_elems)
-    : row_elems_(row_elems), max_rows_(config.max_model_len), limit_(config.host_memory_limit)
+    : row_bytes_(static_cast<std::size_t>(row_elems) * sizeof(Index)),
+      row_elems_(row_elems),
+      max_rows_(config.max_model_len),
+      limit_(config.host_memory_limit),
+      base_(segment_base(row_bytes_)),
+      arena_(base_, order_for(base_, static_cast<std::size_t>(max_rows_) * row_bytes_))
   {
   }
+  per_request_store(per_request_store&&) noexcept            = default;
+  per_request_store& operator=(per_request_store&&) noexcept = default;
+  per_request_store(const per_request_store&)                = delete;
+  per_request_store& operator=(const per_request_store&)     = delete;
+  ~per_request_store()
+  {
+    for (auto& r : rows_) {
+      if (r.view != nullptr) { ::munmap(r.view, view_bytes()); }
+    }
+  }
 
-  /// @brief Starts storage for request handle `h`.
+  /// @brief Starts storage for request handle `h`: its range is reserved once and kept for the
+  /// handle's later uses.
   void open(std::uint32_t h)
   {
     if (h >= rows_.size()) { rows_.resize(h + 1); }
+    if (rows_[h].view == nullptr) {
+      void* at = ::mmap(nullptr, view_bytes(), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (at == MAP_FAILED) { throw_system_error("mmap of a request's reserved range"); }
+      rows_[h].view = static_cast<std::byte*>(at);
+    }
+  }
+
+  /// @brief Frees the rows of `h`. Segments a kernel may still write (claimed by a step not yet
+  /// filed) are released once that step has been. Strong: a failure changes nothing.
+  /// @throws error host_memory_exhausted if the system refuses to unmap; std::bad_alloc
+  void close(std::uint32_t h)
+  {
+    auto& r = rows_[h];
+    // room for every segment in the pending list, then back to a bare reservation: if either
+    // fails, nothing has changed, and nothing after them allocates (arena releases never do)
+    if (pending_.capacity() < pending_.size() + r.segments.size()) {
+      pending_.reserve(std::max(2 * pending_.capacity(), pending_.size() + r.segments.size()));
+    }
+    if (r.capacity > 0 && !unmap(r.view, r.capacity)) { throw_system_error("mmap over a closed request's rows"); }
+    for (const auto& s : r.segments) {
+      if (r.last_claim > filed_through_) {
+        pending_.push_back({s, r.last_claim});
+      } else {
+        arena_.release(s);
+      }
+    }
+    r.segments.clear();
+    r.claimed_by.clear();
+    r.capacity   = 0;
+    r.last_claim = 0;
   }
 
   /// @brief Nothing to check: cached slots are not used here.
   void check_slot_range(std::span<const std::int64_t>) const noexcept {}
-
   /// @brief A prefix-cache hit has no rows here: its positions read as missing.
   void bind_cached(std::uint32_t, std::span<const std::int64_t>) noexcept {}
-
-  /// @brief Frees the rows of `h`.
-  void close(std::uint32_t h)
-  {
-    bytes_ -= rows_[h].capacity() * sizeof(Index);
-    rows_[h] = std::vector<Index>{};
-  }
-
   /// @brief Starts a validation pass of a step plan (nothing to track).
   void begin_validation() noexcept {}
   /// @brief Checks the slots of a scheduled request (nothing to check: rows live at positions).
   void check_slots(std::span<const std::int64_t>, std::int32_t) const noexcept {}
   /// @brief Checks blocks declared fresh (nothing to check: rows do not live in KV blocks).
   void check_blocks(std::span<const std::int64_t>, const char*) const noexcept {}
+  /// @brief Nothing to do: rows do not live in KV blocks.
+  void refresh_blocks(std::span<const std::int64_t>) noexcept {}
+  /// @brief Rows do not live in KV blocks: every slot has generation 0.
+  [[nodiscard]] std::uint32_t generation_of(std::int64_t) const noexcept { return 0; }
 
-  /// @brief Extra bytes needed so that `h` can hold positions [0, rows); `exact` grows to exactly
-  /// `rows` instead of doubling (used when doubling would cross the memory limit).
+  /// @brief Extra bytes needed so that `h` can hold positions [0, rows): a segment that at least
+  /// doubles its capacity, or with `exact` the smallest that suffices.
   [[nodiscard]] std::size_t growth_bytes(std::uint32_t h, std::int64_t rows, bool exact) const noexcept
   {
-    const std::size_t have = rows_[h].capacity();
-    const std::size_t need = grown_capacity(h, rows, exact);
-    return need > have ? (need - have) * sizeof(Index) : 0;
+    const int order = growth_order(rows_[h], rows, exact);
+    return order < 0 ? 0 : arena_.block_bytes(order);
   }
 
-  /// @brief Bytes currently allocated for rows.
-  [[nodiscard]] std::size_t bytes_in_use() const noexcept { return bytes_; }
+  /// @brief Bytes of rows held (segments of live requests, and of closed ones still in flight).
+  [[nodiscard]] std::size_t bytes_in_use() const noexcept { return arena_.bytes_in_use(); }
   /// @brief The host memory limit.
   [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
 
   /// @brief Grows `h` to hold positions [0, rows); growth_bytes() has been checked by the caller.
-  void reserve(std::uint32_t h, std::int64_t rows, bool exact)
+  /// Returns whether it grew (undo_reserve() takes the growth back).
+  /// @throws error host_memory_exhausted if the system refuses memory
+  bool reserve(std::uint32_t h, std::int64_t rows, bool exact)
   {
-    auto& r                = rows_[h];
-    const std::size_t need = grown_capacity(h, rows, exact);
-    if (need <= r.capacity()) {
-      if (static_cast<std::size_t>(rows * row_elems_) > r.size()) {
-        r.resize(static_cast<std::size_t>(rows * row_elems_), index_traits<Index>::sentinel);
-      }
-      return;
+    auto& r         = rows_[h];
+    const int order = growth_order(r, rows, exact);
+    if (order < 0) { return false; }
+    const auto segment = arena_.allocate(order);
+    const std::size_t bytes = arena_.block_bytes(order);
+    // populated now, in one call, rather than page by page as the host first touches the rows
+    if (::mmap(r.view + r.capacity, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, arena_.fd(),
+               static_cast<off_t>(segment.offset)) == MAP_FAILED) {
+      arena_.release(segment);
+      throw_system_error("mmap of a row segment");
     }
-    std::vector<Index> grown;
-    grown.reserve(need);
-    grown.assign(r.begin(), r.end());
-    grown.resize(static_cast<std::size_t>(rows * row_elems_), index_traits<Index>::sentinel);
-    bytes_ += (grown.capacity() - r.capacity()) * sizeof(Index);
-    r = std::move(grown);
+    try {
+      r.segments.push_back(segment);
+      r.claimed_by.resize((r.capacity + bytes) / row_bytes_, 0);
+    } catch (...) {
+      if (r.segments.size() > 0 && r.segments.back().offset == segment.offset) { r.segments.pop_back(); }
+      unmap(r.view + r.capacity, bytes);
+      arena_.release(segment);
+      throw;
+    }
+    r.capacity += bytes;
+    return true;
   }
 
-  /// @brief Where the row of (`h`, `position`) should be written; `dst` null when the existing
-  /// row stays (first write wins unless `replace`). Positions were reserved in begin_step; rows are
-  /// claimed when they arrive, on the host, so the row's contents tell whether it was recorded.
+  /// @brief Takes back the growth of the last reserve() of `h` (nothing was claimed in it).
+  void undo_reserve(std::uint32_t h) noexcept
+  {
+    auto& r                 = rows_[h];
+    const auto segment      = r.segments.back();
+    const std::size_t bytes = arena_.block_bytes(segment.order);
+    r.segments.pop_back();
+    r.capacity -= bytes;
+    r.claimed_by.resize(r.capacity / row_bytes_);
+    unmap(r.view + r.capacity, bytes);
+    arena_.release(segment);
+  }
+
+  /// @brief Where the row of (`h`, `position`) should be written (its host address), claimed by
+  /// step `step`; `dst` null when the existing row stays (first write wins unless `replace`).
   [[nodiscard]] row_claim<Index> claim(std::uint32_t h,
                                        std::int64_t position,
                                        std::int64_t /*slot*/,
                                        std::uint32_t /*planned generation*/,
-                                       std::uint64_t /*step*/,
+                                       std::uint64_t step,
                                        bool replace)
   {
-    Index* row = rows_[h].data() + position * row_elems_;
-    if (!replace && row[0] != index_traits<Index>::sentinel) { return {}; }
-    return {row, nullptr};
+    auto& r      = rows_[h];
+    auto& by     = r.claimed_by[static_cast<std::size_t>(position)];
+    r.last_claim = std::max(r.last_claim, step);  // even if the row stays: a step that tried holds the segments
+    if (!replace && by != 0) { return {}; }
+    const std::uint64_t replaced = by != 0 ? by : row_claim<Index>::no_claim;
+    by                           = step;
+    return {row_at(r, position), nullptr, replaced};
   }
 
-  /// @brief Rows do not live in KV blocks: every slot has generation 0.
-  [[nodiscard]] std::uint32_t generation_of(std::int64_t /*slot*/) const noexcept { return 0; }
-
-  /// @brief Forgets the row of (`h`, `position`) (a rejected draft).
-  void erase(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/)
+  /// @brief A discarded step `serial` gives back its claim of (`h`, `position`), which replaced the
+  /// claim of step `prior` (row_claim::replaced): the row there is `prior`'s again.
+  void restore_claim(std::uint32_t h, std::int64_t position, std::int64_t, std::uint64_t serial,
+                     std::uint64_t prior) noexcept
   {
-    std::fill_n(rows_[h].data() + position * row_elems_, row_elems_, index_traits<Index>::sentinel);
+    auto& by = rows_[h].claimed_by[static_cast<std::size_t>(position)];
+    if (by == serial) { by = prior; }
   }
 
-  /// @brief Rows [first, first + count) of `h` as one contiguous array, or nullptr if some of
-  /// them were never reserved (positions of a prefix-cache hit: they are read as missing).
-  [[nodiscard]] const Index* contiguous(std::uint32_t h, std::int64_t first, std::int64_t count) const
+  /// @brief Undoes the claim of (`h`, `position`) if step `serial` made it (a discarded step).
+  void unclaim(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/, std::uint64_t serial) noexcept
   {
-    const auto& r = rows_[h];
-    if (count == 0 || static_cast<std::size_t>((first + count) * row_elems_) > r.size()) {
-      return nullptr;
+    auto& by = rows_[h].claimed_by;
+    if (static_cast<std::size_t>(position) < by.size() && by[static_cast<std::size_t>(position)] == serial) {
+      by[static_cast<std::size_t>(position)] = 0;
     }
-    return r.data() + first * row_elems_;
+  }
+
+  /// @brief Every step up to `serial` has been filed: rows they claimed have arrived, and segments
+  /// of closed requests they wrote can be reused.
+  void set_filed_through(std::uint64_t serial)
+  {
+    filed_through_ = serial;
+    std::erase_if(pending_, [&](const pending_segment& p) {
+      if (p.last_claim > serial) { return false; }
+      arena_.release(p.segment);
+      return true;
+    });
+  }
+
+  /// @brief Calls `emit(device_dst, elems)` for the pieces, as kernels address them, of the `elems`
+  /// ids at host address `host_dst` in the rows of request `h`.
+  template <class Emit>
+  void device_pieces(std::uint32_t h, Index* host_dst, std::int64_t elems, Emit&& emit) const
+  {
+    const auto& r     = rows_[h];
+    auto offset       = static_cast<std::size_t>(reinterpret_cast<std::byte*>(host_dst) - r.view);
+    auto left         = static_cast<std::size_t>(elems) * sizeof(Index);
+    std::size_t start = 0;
+    for (const auto& s : r.segments) {
+      const std::size_t bytes = arena_.block_bytes(s.order);
+      if (offset < start + bytes) {
+        const std::size_t take = std::min(left, start + bytes - offset);
+        emit(reinterpret_cast<Index*>(arena_.address(s.offset) + (offset - start)),
+             static_cast<std::int64_t>(take / sizeof(Index)));
+        offset += take;
+        left -= take;
+        if (left == 0) { return; }
+      }
+      start += bytes;
+    }
+  }
+
+  /// @brief Forgets the row of (`h`, `position`) (a rejected draft). Metadata only, so it is safe
+  /// while a kernel may still be writing that row.
+  void erase(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/) noexcept
+  {
+    auto& by = rows_[h].claimed_by;
+    if (static_cast<std::size_t>(position) < by.size()) { by[static_cast<std::size_t>(position)] = 0; }
+  }
+
+  /// @brief Rows [first, first + count) of `h` as one contiguous array, positions never recorded
+  /// set to the sentinel first; nullptr if some of them were never reserved (positions of a
+  /// prefix-cache hit) or are claimed by a step not filed yet.
+  [[nodiscard]] const Index* contiguous(std::uint32_t h, std::int64_t first, std::int64_t count)
+  {
+    auto& r = rows_[h];
+    if (count == 0 || static_cast<std::size_t>(first + count) > r.claimed_by.size()) { return nullptr; }
+    for (std::int64_t p = first; p < first + count; ++p) {
+      const std::uint64_t by = r.claimed_by[static_cast<std::size_t>(p)];
+      if (by > filed_through_) { return nullptr; }
+      if (by == 0) { std::fill_n(row_at(r, p), row_elems_, index_traits<Index>::sentinel); }
+    }
+    return row_at(r, first);
+  }
+
+  /// @brief Copies rows [first, first + count) of `h` to `out`, the sentinel for missing ones.
+  void read_rows(std::uint32_t h, std::int64_t first, std::int64_t count, Index* out) const
+  {
+    for (std::int64_t p = first; p < first + count; ++p, out += row_elems_) {
+      if (!read(h, p, out)) { std::fill_n(out, row_elems_, index_traits<Index>::sentinel); }
+    }
   }
 
   /// @brief Copies the row of (`h`, `position`) to `out`; false (and `out` untouched) if missing.
   bool read(std::uint32_t h, std::int64_t position, Index* out) const
   {
     const auto& r = rows_[h];
-    if (static_cast<std::size_t>((position + 1) * row_elems_) > r.size()) { return false; }
-    const Index* row = r.data() + position * row_elems_;
-    if (row[0] == index_traits<Index>::sentinel) { return false; }
-    std::memcpy(out, row, static_cast<std::size_t>(row_elems_) * sizeof(Index));
+    if (static_cast<std::size_t>(position) >= r.claimed_by.size()) { return false; }
+    const std::uint64_t by = r.claimed_by[static_cast<std::size_t>(position)];
+    if (by == 0 || by > filed_through_) { return false; }
+    std::memcpy(out, row_at(r, position), row_bytes_);
     return true;
   }
 
-  /// @brief Nothing to do: rows do not live in KV blocks.
-  void refresh_blocks(std::span<const std::int64_t>) noexcept {}
-
  private:
-  [[nodiscard]] std::size_t grown_capacity(std::uint32_t h, std::int64_t rows, bool exact) const noexcept
+  struct pending_segment {
+    typename arena_type::block segment;
+    std::uint64_t last_claim;  // released once every step up to it has been filed
+  };
+
+  // The smallest segment: a page multiple of at least 16 rows.
+  static std::size_t segment_base(std::size_t row_bytes)
   {
-    const std::size_t have_rows = rows_[h].capacity() / static_cast<std::size_t>(row_elems_);
-    if (static_cast<std::size_t>(rows) <= have_rows) { return rows_[h].capacity(); }
-    const std::size_t doubled = exact ? 0 : std::max<std::size_t>(2 * have_rows, 16);
-    const std::size_t grown   = std::min<std::size_t>(
-      std::max<std::size_t>(doubled, static_cast<std::size_t>(rows)), static_cast<std::size_t>(max_rows_));
-    return grown * static_cast<std::size_t>(row_elems_);
+    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    return (16 * row_bytes + page - 1) / page * page;
+  }
+  // The order whose segment holds `bytes` (so that one segment always suffices).
+  static int order_for(std::size_t base, std::size_t bytes)
+  {
+    const std::size_t units = std::max<std::size_t>(1, (bytes + base - 1) / base);
+    return static_cast<int>(std::bit_width(std::bit_ceil(units)) - 1);
   }
 
+  // Turns [at, at + bytes) of a reserved range back into a bare reservation.
+  static bool unmap(std::byte* at, std::size_t bytes) noexcept
+  {
+    return ::mmap(at, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != MAP_FAILED;
+  }
+
+  [[nodiscard]] std::size_t view_bytes() const noexcept { return arena_.block_bytes(arena_.max_order()) * 2; }
+
+  [[nodiscard]] Index* row_at(const request_rows& r, std::int64_t position) const noexcept
+  {
+    return reinterpret_cast<Index*>(r.view + static_cast<std::size_t>(position) * row_bytes_);
+  }
+
+  // The order of the segment that `reserve(h, rows, exact)` adds, or -1 if none is needed.
+  [[nodiscard]] int growth_order(const request_rows& r, std::int64_t rows, bool exact) const noexcept
+  {
+    const std::size_t need = static_cast<std::size_t>(std::min(rows, max_rows_)) * row_bytes_;
+    if (need <= r.capacity) { return -1; }
+    const std::size_t increment = exact ? need - r.capacity : std::max(need - r.capacity, r.capacity);
+    return std::min(order_for(base_, increment), arena_.max_order());
+  }
+
+  std::size_t row_bytes_;
   std::int64_t row_elems_;
   std::int64_t max_rows_;
   std::size_t limit_;
-  std::size_t bytes_ = 0;
-  std::vector<std::vector<Index>> rows_;
+  std::size_t base_;
+  std::uint64_t filed_through_ = 0;  // every step up to this serial has been filed
+  arena_type arena_;
+  std::vector<request_rows> rows_;
+  std::vector<pending_segment> pending_;
 };
 
 }  // namespace routing_replay::detail

@@ -1,5 +1,7 @@
 /// @file
-/// Request bookkeeping shared by every storage: id lookup, handles, speculative draft groups.
+/// Data path, part 1: the request registry. Requests that asked for their routing are added here
+/// and get a dense handle; every other part addresses a request by that handle. Requests that did
+/// not opt in are never added and cost nothing.
 #pragma once
 
 #include <routing_replay/errors.hpp>
@@ -12,7 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace routing_replay::detail {
+namespace routing_replay {
 
 /// @brief The most draft tokens one request may carry in one step.
 inline constexpr std::int32_t max_draft_tokens = 32;
@@ -22,14 +24,15 @@ inline constexpr std::int32_t max_draft_tokens = 32;
 /// Tentative rows are filed like any other, but yield to any later write of their position and are
 /// erased if rejected. `accepted` may arrive before the rows are filed (deferred copies).
 struct draft_group {
-  std::uint64_t step_serial    = 0;
-  std::int64_t first_position  = 0;
-  std::int32_t count           = 0;
+  std::uint64_t step_serial    = 0;      ///< the step whose drafts these are
+  std::int64_t first_position  = 0;      ///< position of the first draft
+  std::int32_t count           = 0;      ///< drafts in the group
   std::int32_t accepted        = -1;     ///< -1 until accept_draft()
   bool filed                   = false;  ///< rows already scattered into storage
   std::uint32_t owned          = 0;      ///< bit d: draft d's row was written by this group
   std::array<std::int64_t, max_draft_tokens> slots{};  ///< slot of each draft (block-slot storage)
 
+  /// @brief Whether this group wrote the row of `position` (and still owns it).
   [[nodiscard]] bool owns(std::int64_t position) const noexcept
   {
     const std::int64_t d = position - first_position;
@@ -39,10 +42,10 @@ struct draft_group {
 
 /// @brief Everything the library knows about one live request.
 struct request_state {
-  std::optional<request_id> id;    ///< engaged while the handle is live
+  const request_id* id = nullptr;  ///< the live id (the registry's own copy); null when retired
   std::uint32_t generation = 0;    ///< bumped on release/abort: in-flight rows of old uses skip
   std::int64_t recorded_rows = 0;  ///< T: one past the highest committed position
-  std::int64_t prompt_length = -1;
+  std::int64_t prompt_length = -1;  ///< from add_request(), -1 if unknown
   std::uint64_t planned_attempt = 0;  ///< validation pass that last saw it in a plan
   /// @brief Serial of the last step that scheduled it: the open step schedules it when a step is
   /// open and this is that step's serial (serials only grow, so it is never reset).
@@ -53,25 +56,35 @@ struct request_state {
   std::vector<draft_group> drafts;    ///< FIFO of draft groups not yet fully resolved
 };
 
-/// @brief Id to dense-handle registry. Handles are reused; generations tell uses apart.
+/// @brief Live requests: id → dense handle → request_state. Handles are reused; a handle's
+/// generation moves on when its request goes, so rows still in flight for an earlier use of the
+/// handle are recognised and dropped.
 class request_registry {
  public:
-  /// @brief Registers a new id; throws duplicate_request if it is live.
+  /// @brief Registers a new id; throws duplicate_request if it is live. Strong: if an allocation
+  /// fails, nothing changed.
   std::uint32_t add(request_key key)
   {
     if (ids_.find(key) != ids_.end()) {
       throw error{errc::duplicate_request, "request " + key.to_string() + " was already added"};
     }
-    std::uint32_t h = 0;
+    free_.reserve(states_.size() + 1);  // so that remove() never allocates
+    const auto entry = ids_.emplace(request_id{key}, std::uint32_t{0}).first;
+    std::uint32_t h  = 0;
     if (free_.empty()) {
-      h = static_cast<std::uint32_t>(states_.size());
-      states_.emplace_back();
+      try {
+        states_.emplace_back();
+      } catch (...) {
+        ids_.erase(entry);
+        throw;
+      }
+      h = static_cast<std::uint32_t>(states_.size() - 1);
     } else {
       h = free_.back();
       free_.pop_back();
     }
-    states_[h].id.emplace(key);
-    ids_.emplace(request_id{key}, h);
+    entry->second = h;
+    states_[h].id = &entry->first;
     return h;
   }
 
@@ -89,8 +102,8 @@ class request_registry {
   /// @brief Whether an id is live.
   [[nodiscard]] bool contains(request_key key) const { return ids_.find(key) != ids_.end(); }
 
-  /// @brief Retires a handle: its state resets and its generation moves on.
-  void remove(std::uint32_t h)
+  /// @brief Retires a handle: its state resets and its generation moves on. Never allocates.
+  void remove(std::uint32_t h) noexcept
   {
     auto& s = states_[h];
     ids_.erase(ids_.find(s.id->key()));  // heterogeneous erase(key) is C++23
@@ -116,4 +129,4 @@ class request_registry {
   std::vector<std::uint32_t> free_;
 };
 
-}  // namespace routing_replay::detail
+}  // namespace routing_replay

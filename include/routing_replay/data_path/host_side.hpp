@@ -1,0 +1,268 @@
+/// @file
+/// The host side of a replay: parts 1, 2, 5 and 6 of the data path (request_registry, step_planner,
+/// row_filer, row_reader) composed, and every call an engine makes about requests: add them, serve cached
+/// prefixes, resolve drafts, extract, move blocks, release, abort. Plain C++20, no backend.
+///
+/// RoutingReplay puts the device side (capture_buffer, copy_pipeline) under it; scheduler_replay
+/// (parallel/scheduler_replay.hpp) puts packets from worker processes under it. Both file steps
+/// through the same planner and filer and read them through the same reader, which is why they
+/// return the same rows.
+#pragma once
+
+#include <routing_replay/copy_strategy.hpp>
+#include <routing_replay/data_path/request_registry.hpp>
+#include <routing_replay/data_path/row_filer.hpp>
+#include <routing_replay/data_path/row_reader.hpp>
+#include <routing_replay/data_path/step_planner.hpp>
+#include <routing_replay/detail/thread_check.hpp>
+#include <routing_replay/detail/validate_config.hpp>
+#include <routing_replay/errors.hpp>
+#include <routing_replay/index_type.hpp>
+#include <routing_replay/layer_map.hpp>
+#include <routing_replay/routed_experts.hpp>
+#include <routing_replay/step_plan.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace routing_replay {
+
+/// @brief Requests, plans and host storage, and the request calls of the public API.
+///
+/// `Derived` says where steps are in flight between end_step and filing: it provides
+/// `file_through(serial)`, which files every step up to that serial (and no later one), and may
+/// throw what filing throws. Calls that read rows file what they depend on first.
+/// @tparam Store the host store (a host_storage policy's store)
+/// @tparam Site who places rows: the host (from a staging or a packet) or a kernel
+template <class Derived, expert_index Index, class Store, scatter_site Site>
+class host_side {
+ protected:
+  /// @brief The row filer over the host store.
+  using filer_type = row_filer<Index, Store, Site>;
+  /// @brief The row reader over the host store.
+  using reader_type = row_reader<Index, Store, filer_type::claims_when_planned>;
+
+ public:
+  /// @brief The stored id type.
+  using index_type = Index;
+  /// @brief What extract() returns.
+  using result_type = routed_experts<Index>;
+
+  /// @name Shape
+  /// @{
+
+  /// @brief The configuration, as validated.
+  [[nodiscard]] const replay_config& config() const noexcept { return config_; }
+  /// @brief L: captured MoE layers.
+  [[nodiscard]] std::int32_t num_layers() const noexcept { return filer_.layers().num_layers(); }
+  /// @brief K.
+  [[nodiscard]] std::int32_t top_k() const noexcept { return config_.top_k; }
+  /// @brief Ids per row (L * K).
+  [[nodiscard]] std::int64_t row_size() const noexcept { return filer_.row_elems(); }
+  /// @brief Bytes of host row storage in use.
+  [[nodiscard]] std::size_t host_bytes() const noexcept { return filer_.store().bytes_in_use(); }
+  /// @brief Live requests.
+  [[nodiscard]] std::size_t num_requests() const noexcept { return requests_.size(); }
+  /// @brief The captured index (layer slot) of a model layer.
+  /// @throws error unknown_layer if the layer map does not capture it.
+  [[nodiscard]] std::int32_t layer_slot(std::int32_t model_layer) const { return filer_.layers().slot(model_layer); }
+  /// @}
+
+  /// @name Requests
+  /// @{
+
+  /// @brief Registers a request that asked for its routing. Requests that did not ask are never
+  /// added and their tokens are skip()ped in plans: they cost nothing on the host.
+  /// @throws error duplicate_request, slot_out_of_range (cached slots), position_out_of_range
+  void add_request(request_key id, const request_options& options = {})
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("add_request");
+    filer_.check_cached_prefix(id, options.cached_slots);
+    const std::uint32_t h = requests_.add(id);  // throws duplicate_request
+    try {
+      filer_.store().open(h);
+      filer_.bind_cached_prefix(h, options.cached_slots, requests_, planner_.latest_serial());
+    } catch (...) {  // the store refused memory: the request was never added
+      requests_.remove(h);  // never allocates
+      throw;
+    }
+    requests_[h].prompt_length = options.prompt_length;
+  }
+
+  /// @brief A live request (re)starts with positions [0, cached_slots.size()) served from the
+  /// prefix cache, e.g. when it is re-admitted after preemption. Block-slot storage binds those
+  /// positions to the slots unless it already holds a valid row for them (first write wins);
+  /// per-request storage has no rows for cached positions it never computed (they read as missing).
+  /// @throws error unknown_request, slot_out_of_range, position_out_of_range
+  void add_cached_prefix(request_key id, std::span<const std::int64_t> cached_slots)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("add_cached_prefix");
+    const std::uint32_t h = requests_.find(id);
+    filer_.check_cached_prefix(id, cached_slots);
+    filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial());
+  }
+
+  /// @brief Whether a request is live.
+  [[nodiscard]] bool contains(request_key id) const { return requests_.contains(id); }
+
+  /// @brief T: one past the highest committed position of a request (files the request's steps
+  /// still in flight first).
+  /// @throws error unknown_request; as drain() for a step filed on the way
+  [[nodiscard]] std::int64_t recorded_rows(request_key id)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("recorded_rows");
+    const std::uint32_t h = requests_.find(id);
+    derived().file_through(requests_[h].reads_step);  // what the request's rows may still wait for
+    return reader_.readable_rows(h, requests_, planner_.open_step());
+  }
+
+  /// @brief Resolves the oldest pending draft group of a request: the first `num_accepted` drafts
+  /// are committed, the rest are erased (their positions will be recomputed).
+  /// @throws error unknown_request, draft_error
+  void accept_draft(request_key id, std::int32_t num_accepted)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("accept_draft");
+    filer_.accept_draft(id, requests_.find(id), num_accepted, requests_);
+  }
+
+  /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any
+  /// live request may be extracted (rows of an open step are not included).
+  ///
+  /// First files the steps still in flight that the request's rows depend on, and no later ones.
+  /// Per-request storage returns a zero-copy view (valid until the next begin_step or release of
+  /// the request) unless include_dense_layers; block-slot storage gathers a copy. Missing or stale
+  /// rows hold the sentinel.
+  /// @throws error unknown_request, draft_error (unresolved drafts), position_out_of_range; as
+  /// drain() for a step filed on the way
+  [[nodiscard]] result_type extract(request_key id, const extract_options& options = {})
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("extract");
+    const auto [h, begin, end] = select_rows(id, options);
+    const std::int64_t prompt  = options.prompt_length >= 0 ? options.prompt_length : requests_[h].prompt_length;
+    return reader_.extract(filer_.store(), h, begin, end, prompt, options);
+  }
+
+  /// @brief Copies a request's rows into a caller buffer; returns the number of rows written.
+  /// @throws error as extract(), and invalid_argument if `out` is too small
+  std::int64_t extract_into(request_key id, std::span<Index> out, const extract_options& options = {})
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("extract_into");
+    const auto [h, begin, end] = select_rows(id, options);
+    reader_.copy_rows_into(filer_.store(), id, h, begin, end, options, out);
+    return end - begin;
+  }
+
+  /// @brief Block-slot storage: files every step in flight, then copies the rows of whole KV blocks
+  /// into `out` ([blocks.size() * block_size, L, K]; rows never recorded hold the sentinel), so
+  /// they can follow their KV to another tier or instance (prefill/decode disaggregation).
+  /// @throws error slot_out_of_range, invalid_argument (`out` too small), invalid_state (a step is
+  /// open); as drain()
+  void export_blocks(std::span<const std::int64_t> blocks, std::span<Index> out)
+    requires(Store::slot_indexed)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("export_blocks");
+    filer_.check_block_transfer("export_blocks", blocks, out.size(), planner_.is_open());
+    derived().file_through(~std::uint64_t{0});
+    filer_.store().export_blocks(blocks, out.data());
+  }
+
+  /// @brief Block-slot storage: fills whole KV blocks with rows exported by export_blocks()
+  /// (here or on another instance). The blocks become fresh first, so older mappings to them go
+  /// stale; requests reach the imported rows through prefix hits (cached_slots).
+  /// @throws error as export_blocks()
+  void import_blocks(std::span<const std::int64_t> blocks, std::span<const Index> rows)
+    requires(Store::slot_indexed)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("import_blocks");
+    filer_.check_block_transfer("import_blocks", blocks, rows.size(), planner_.is_open());
+    derived().file_through(~std::uint64_t{0});  // rows on their way to these blocks are older
+    filer_.store().import_blocks(blocks, rows.data());
+  }
+
+  /// @brief Block-slot storage: the rows of block `source[i]` move with its KV to block
+  /// `destination[i]` (offload and reload under a new block id). Destinations become fresh.
+  /// @throws error as export_blocks(), and invalid_argument for lists of different lengths or a
+  /// block that is both a source and a destination
+  void copy_blocks(std::span<const std::int64_t> source, std::span<const std::int64_t> destination)
+    requires(Store::slot_indexed)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("copy_blocks");
+    filer_.check_block_copy(source, destination);
+    std::vector<Index> rows(source.size() * static_cast<std::size_t>(filer_.store().block_elems()));
+    export_blocks(source, rows);
+    import_blocks(destination, rows);
+  }
+
+  /// @brief Forgets a finished request and frees its rows (block-slot rows stay at their slots
+  /// for later prefix hits).
+  /// @throws error unknown_request, invalid_state if the open step schedules it (use abort)
+  void release(request_key id)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("release");
+    const std::uint32_t h = requests_.find(id);
+    if (planner_.schedules(requests_[h])) {
+      throw error{errc::invalid_state, "request " + id.to_string() +
+                                         " is scheduled in the open step; end the step first, or abort it"};
+    }
+    filer_.close(h, requests_);
+  }
+
+  /// @brief Drops a request at any time. Per-request storage drops its rows, including those of
+  /// the open step and those still in flight; block-slot storage keeps the rows of every step that
+  /// began at their slots, for other requests' prefix hits.
+  /// @throws error unknown_request
+  void abort(request_key id)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("abort");
+    filer_.close(requests_.find(id), requests_);
+  }
+  /// @}
+
+ protected:
+  /// @brief Validates the configuration for `Index` and creates the host store.
+  /// @throws error invalid_config, index_type_too_narrow, host_memory_exhausted
+  explicit host_side(replay_config config)
+    : config_(detail::validated_config<Index>(std::move(config))),
+      filer_(config_, layer_map{config_}),
+      reader_(config_, filer_.layers()),
+      planner_(config_)
+  {
+  }
+
+  /// @brief Marks the calling thread inside the object until the returned guard goes (debug
+  /// builds: one thread drives it); every public call of the object takes one.
+  /// @throws error invalid_state if another thread is inside
+  [[nodiscard]] auto enter(const char* what) { return threads_.enter(what); }
+
+  /// @brief The filing sink a copy pipeline hands its steps to (Backend names its stagings).
+  template <class Backend>
+  [[nodiscard]] auto filing() noexcept
+  {
+    return filer_.template sink<Backend>(requests_);
+  }
+
+  replay_config config_;         ///< the validated configuration
+  detail::thread_check threads_;  ///< debug builds: one thread at a time inside
+  request_registry requests_;    ///< live requests
+  filer_type filer_;             ///< host storage (with device scatter, what a kernel writes)
+  reader_type reader_;           ///< reads rows back
+  step_planner<Index> planner_;  ///< the open step
+
+ private:
+  [[nodiscard]] Derived& derived() noexcept { return static_cast<Derived&>(*this); }
+
+  // The rows an extraction returns: the request's handle and positions [begin, end).
+  struct row_selection { std::uint32_t handle; std::int64_t begin, end; };
+  [[nodiscard]] row_selection select_rows(request_key id, const extract_options& options)
+  {
+    const std::uint32_t h   = requests_.find(id);
+    derived().file_through(requests_[h].reads_step);  // what the request's rows may still wait for
+    const auto [begin, end] = reader_.extraction_range(id, h, options, requests_, planner_.open_step());
+    return {h, begin, end};
+  }
+};
+
+}  // namespace routing_replay

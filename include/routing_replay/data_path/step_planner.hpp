@@ -1,0 +1,246 @@
+/// @file
+/// Data path, part 2: the step planner. Checks an engine's step_plan against the live requests and
+/// the host storage, then turns it into the step's record: which rows belong to which request and
+/// position, their KV slots, the draft tokens, and (where rows are claimed when a step begins)
+/// every row's place. Pure host logic: no backend, no device.
+#pragma once
+
+#include <routing_replay/config.hpp>
+#include <routing_replay/data_path/request_registry.hpp>
+#include <routing_replay/data_path/step_record.hpp>
+#include <routing_replay/errors.hpp>
+#include <routing_replay/step_plan.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace routing_replay {
+
+/// @brief Validates plans and builds step records; knows whether a step is open and the serial of
+/// the latest one.
+///
+/// A step is planned in two phases so that every host error surfaces before anything changes:
+/// validate() checks the whole plan (it throws, and the object is as before), open() commits it
+/// (reserving storage, taking fresh blocks, claiming rows where the store claims at plan time).
+/// close() hands the record to the copy pipeline.
+template <class Index>
+class step_planner {
+ public:
+  /// @brief A planner for a validated configuration.
+  explicit step_planner(const replay_config& config)
+    : max_rows_(config.max_tokens_per_step), max_model_len_(config.max_model_len)
+  {
+  }
+
+  /// @brief Whether a step is open (between open() and close()).
+  [[nodiscard]] bool is_open() const noexcept { return open_; }
+  /// @brief Serial of the latest step opened (0 before the first).
+  [[nodiscard]] std::uint64_t latest_serial() const noexcept { return serial_; }
+  /// @brief The open step's record, or nullptr when no step is open.
+  [[nodiscard]] const step_record<Index>* open_step() const noexcept { return open_ ? &record_ : nullptr; }
+  /// @brief Whether the open step schedules request state `r`.
+  [[nodiscard]] bool schedules(const request_state& r) const noexcept { return open_ && r.open_step == serial_; }
+
+  /// @brief Checks `plan` against the live requests and `filer`'s store; changes nothing
+  /// observable.
+  /// @throws error invalid_state, too_many_tokens, unknown_request, duplicate_request,
+  /// position_out_of_range, slot_out_of_range, invalid_plan, host_memory_exhausted
+  template <class Filer>
+  void validate(const step_plan& plan, request_registry& requests, Filer& filer)
+  {
+    if (open_) {
+      throw error{errc::invalid_state,
+                  "begin_step: step " + std::to_string(serial_) + " is still open; call end_step first"};
+    }
+    if (plan.num_rows() > max_rows_) {
+      throw error{errc::too_many_tokens, "step plan has " + std::to_string(plan.num_rows()) +
+                                           " tokens, more than max_tokens_per_step " + std::to_string(max_rows_)};
+    }
+    if (plan.padded_rows() > max_rows_) {  // the end of the step resets them: they must lie in D
+      throw error{errc::too_many_tokens, "step plan declares " + std::to_string(plan.padded_rows()) +
+                                           " padded rows, more than max_tokens_per_step " + std::to_string(max_rows_)};
+    }
+    auto& store = filer.store();
+    ++attempt_;
+    store.begin_validation();
+    std::size_t growth       = 0;
+    std::size_t exact_growth = 0;
+    handles_.clear();
+    for (const auto& entry : plan.entries()) {
+      const scheduled_request& s = entry.request;
+      if (s.num_tokens < 0) {
+        throw error{errc::invalid_plan, "step plan: negative token count " + std::to_string(s.num_tokens)};
+      }
+      if (entry.skipped) { continue; }
+      const std::uint32_t h = requests.find(s.id);
+      handles_.push_back(h);
+      auto& r = requests[h];
+      if (r.planned_attempt == attempt_) {
+        throw error{errc::duplicate_request, "step plan schedules request " + s.id.to_string() + " twice"};
+      }
+      r.planned_attempt = attempt_;
+      check_request(s);
+      if constexpr (Filer::store_type::slot_indexed) {
+        try {
+          store.check_slots(s.slots, s.num_tokens);
+        } catch (const error& e) {
+          throw error{e.code(), "request " + s.id.to_string() + ": " + e.what()};
+        }
+      }
+      growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
+      exact_growth += store.growth_bytes(h, s.first_position + s.num_tokens, true);
+    }
+    store.check_blocks(plan.fresh_blocks(), "fresh");
+    // doubling every request that grows would cross the limit: grow each exactly, if that fits
+    exact_growth_ = store.bytes_in_use() + growth > store.limit();
+    if (exact_growth_ && store.bytes_in_use() + exact_growth > store.limit()) {
+      throw error{errc::host_memory_exhausted,
+                  "step needs " + std::to_string(exact_growth) + " more bytes of host storage; " +
+                    std::to_string(store.bytes_in_use()) + " bytes are in use of host_memory_limit " +
+                    std::to_string(store.limit()) + " (release finished requests, or raise the limit)"};
+    }
+  }
+
+  /// @brief Commits the plan validate() just accepted: a new serial, storage reserved, fresh blocks
+  /// taken (later plans and prefix hits see their new generation even while older rows for them
+  /// are in flight), draft groups opened, and, where the store claims at plan time, every row
+  /// claimed and its place recorded in the step's ops. Every allocation comes first: if one fails,
+  /// storage grown for the step is given back and nothing observable has changed.
+  template <class Filer>
+  void open(const step_plan& plan, request_registry& requests, Filer& filer)
+  {
+    auto& store             = filer.store();
+    step_record<Index>& out = record_;
+    reserve_record(plan, requests, filer);
+    std::size_t grown = 0;  // runs whose storage was reserved: undone if a later one fails
+    try {
+      for (const auto& entry : plan.entries()) {
+        if (entry.skipped) { continue; }
+        const scheduled_request& s = entry.request;
+        grew_[grown] = store.reserve(handles_[grown], s.first_position + s.num_tokens, exact_growth_);
+        ++grown;
+      }
+    } catch (...) {
+      while (grown-- > 0) {
+        if (grew_[grown]) { store.undo_reserve(handles_[grown]); }
+      }
+      throw;
+    }
+    // nothing below allocates or throws
+    out.serial      = ++serial_;
+    out.num_rows    = plan.num_rows();
+    out.padded_rows = plan.padded_rows();
+    out.runs.clear();
+    out.slots.clear();
+    out.generations.clear();
+    out.ops.clear();
+    out.replaced.clear();
+    out.taken.clear();
+    out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());
+    store.refresh_blocks(out.fresh_blocks);
+    auto handle = handles_.begin();
+    for (const auto& entry : plan.entries()) {
+      if (entry.skipped) { continue; }
+      const scheduled_request& s = entry.request;
+      const std::uint32_t h      = *handle++;
+      auto& r                    = requests[h];
+      r.open_step                = serial_;
+      r.reads_step               = serial_;
+      std::int64_t slots_begin   = -1;
+      if constexpr (Filer::store_type::slot_indexed) {
+        slots_begin = static_cast<std::int64_t>(out.slots.size());
+        out.slots.insert(out.slots.end(), s.slots.begin(), s.slots.end());
+        for (const std::int64_t slot : s.slots) { out.generations.push_back(store.generation_of(slot)); }
+      }
+      out.runs.push_back(
+        {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});
+      if (s.num_draft_tokens > 0) { r.drafts.push_back(draft_group_of(s, slots_begin >= 0)); }
+    }
+    if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, requests); }
+    open_ = true;
+  }
+
+  /// @brief Closes the open step and returns its record, for the copy pipeline to take (it hands
+  /// back a used record in exchange, so records are recycled).
+  /// @throws error invalid_state if no step is open
+  [[nodiscard]] step_record<Index>& close()
+  {
+    if (!open_) { throw error{errc::invalid_state, "end_step without an open step; call begin_step first"}; }
+    open_ = false;
+    return record_;
+  }
+
+ private:
+  // Room for everything open() appends, so that past its storage growth it allocates nothing.
+  template <class Filer>
+  void reserve_record(const step_plan& plan, request_registry& requests, Filer& filer)
+  {
+    std::size_t tokens = 0;
+    for (const auto& entry : plan.entries()) {
+      if (!entry.skipped) { tokens += static_cast<std::size_t>(entry.request.num_tokens); }
+    }
+    record_.runs.reserve(handles_.size());
+    record_.fresh_blocks.reserve(plan.fresh_blocks().size());
+    if constexpr (Filer::store_type::slot_indexed) {
+      record_.slots.reserve(tokens);
+      record_.generations.reserve(tokens);
+    }
+    if constexpr (Filer::claims_when_planned) {
+      filer.reserve_pieces(record_, plan.num_rows());
+      record_.replaced.reserve(tokens);
+      record_.taken.reserve(tokens);
+    }
+    grew_.resize(std::max(grew_.size(), handles_.size()));
+    std::size_t i = 0;
+    for (const auto& entry : plan.entries()) {
+      if (entry.skipped) { continue; }
+      auto& drafts = requests[handles_[i++]].drafts;
+      if (entry.request.num_draft_tokens > 0) { drafts.reserve(drafts.size() + 1); }
+    }
+  }
+
+  void check_request(const scheduled_request& s) const
+  {
+    // num_tokens >= 0 here: the subtraction cannot overflow, where first_position + num_tokens can
+    if (s.first_position < 0 || s.first_position > max_model_len_ - s.num_tokens) {
+      const std::int64_t end = s.first_position > std::numeric_limits<std::int64_t>::max() - s.num_tokens
+                                 ? std::numeric_limits<std::int64_t>::max()
+                                 : s.first_position + s.num_tokens;
+      throw error{errc::position_out_of_range,
+                  "request " + s.id.to_string() + ": positions [" + std::to_string(s.first_position) + ", " +
+                    std::to_string(end) + ") are outside [0, max_model_len = " + std::to_string(max_model_len_) +
+                    ")"};
+    }
+    if (s.num_draft_tokens < 0 || s.num_draft_tokens > s.num_tokens || s.num_draft_tokens > max_draft_tokens) {
+      throw error{errc::invalid_plan, "request " + s.id.to_string() + ": " + std::to_string(s.num_draft_tokens) +
+                                        " draft tokens among " + std::to_string(s.num_tokens) + " (at most " +
+                                        std::to_string(max_draft_tokens) + ")"};
+    }
+  }
+
+  [[nodiscard]] draft_group draft_group_of(const scheduled_request& s, bool with_slots) const
+  {
+    draft_group g;
+    g.step_serial    = serial_;
+    g.first_position = s.first_position + (s.num_tokens - s.num_draft_tokens);
+    g.count          = s.num_draft_tokens;
+    if (with_slots) { std::copy(s.slots.end() - s.num_draft_tokens, s.slots.end(), g.slots.begin()); }
+    return g;
+  }
+
+  std::int64_t max_rows_;
+  std::int64_t max_model_len_;
+  std::uint64_t serial_  = 0;  // serial of the latest step opened
+  std::uint64_t attempt_ = 0;  // validation passes, to spot a request scheduled twice in a plan
+  bool exact_growth_     = false;
+  bool open_             = false;
+  std::vector<std::uint32_t> handles_;  // the plan's runs' handles, found once by validate()
+  std::vector<char> grew_;              // per run of the plan being opened: its storage grew
+  step_record<Index> record_;           // the open step's record
+};
+
+}  // namespace routing_replay

@@ -1,0 +1,209 @@
+/// @file
+/// The backing memory of per-request rows: blocks of one anonymous shared-memory file, each
+/// reachable at two addresses. Its arena address, fixed for the arena's lifetime, is where kernels
+/// write rows (device scatter); the same block is also mapped into a request's own reserved range,
+/// so that the host sees the request's rows contiguous however many blocks they span. Growth never
+/// moves a row, and neither the host nor a kernel ever copies rows to grow. Linux (memfd).
+#pragma once
+
+#include <routing_replay/errors.hpp>
+
+#include <sys/mman.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace routing_replay::detail {
+
+/// @brief Throws host_memory_exhausted naming a failed system call and its errno.
+[[noreturn]] inline void throw_system_error(const char* what)
+{
+  throw error{errc::host_memory_exhausted, std::string{what} + " failed: " + std::strerror(errno)};
+}
+
+/// @brief Blocks of `base << order` bytes (order in [0, max_order]) from a buddy allocator over a
+/// memfd that grows by superblocks of `base << max_order` bytes. Superblocks are mapped once, at
+/// addresses that never change, and registered through `RowMemory` when kernels write them. Freed
+/// blocks keep their pages: the next request that takes them maps pages already there, instead of
+/// faulting fresh ones in as it is filled (a page fault of shared memory costs about as much as
+/// filing the page's rows).
+///
+/// release() never allocates (a request's rows are freed by release and abort, which must not fail
+/// half-way): the arena keeps a spare free-list node for every block handed out, made when the block
+/// is allocated.
+template <class RowMemory>
+class row_arena {
+ public:
+  /// @brief A block: its offset in the file and its order.
+  struct block {
+    std::uint64_t offset = 0;  ///< bytes from the start of the file
+    int order            = 0;  ///< the block holds base << order bytes
+  };
+
+  /// @brief An arena of blocks of `base` (a multiple of the page size) to `base << max_order` bytes.
+  row_arena(std::size_t base, int max_order)
+    : base_(base), max_order_(max_order), free_(static_cast<std::size_t>(max_order) + 1)
+  {
+    fd_ = ::memfd_create("routing_replay_rows", MFD_CLOEXEC);
+    if (fd_ < 0) { throw_system_error("memfd_create"); }
+  }
+  row_arena(row_arena&& other) noexcept
+    : base_(other.base_),
+      max_order_(other.max_order_),
+      fd_(std::exchange(other.fd_, -1)),
+      superblocks_(std::move(other.superblocks_)),
+      free_(std::move(other.free_)),
+      spare_(std::move(other.spare_)),
+      nodes_(std::exchange(other.nodes_, 0)),
+      blocks_out_(std::exchange(other.blocks_out_, 0)),
+      in_use_(std::exchange(other.in_use_, 0))
+  {
+  }
+  row_arena& operator=(row_arena&& other) noexcept
+  {
+    std::swap(base_, other.base_);
+    std::swap(max_order_, other.max_order_);
+    std::swap(fd_, other.fd_);
+    std::swap(superblocks_, other.superblocks_);
+    std::swap(free_, other.free_);
+    std::swap(spare_, other.spare_);
+    std::swap(nodes_, other.nodes_);
+    std::swap(blocks_out_, other.blocks_out_);
+    std::swap(in_use_, other.in_use_);
+    return *this;
+  }
+  row_arena(const row_arena&)            = delete;
+  row_arena& operator=(const row_arena&) = delete;
+  ~row_arena()
+  {
+    for (std::byte* s : superblocks_) {
+      RowMemory::unregister_host(s);
+      ::munmap(s, superblock_bytes());
+    }
+    if (fd_ >= 0) { ::close(fd_); }
+  }
+
+  /// @brief Bytes of a block of `order`.
+  [[nodiscard]] std::size_t block_bytes(int order) const noexcept { return base_ << order; }
+  /// @brief The largest order.
+  [[nodiscard]] int max_order() const noexcept { return max_order_; }
+  /// @brief Bytes of blocks handed out and not released.
+  [[nodiscard]] std::size_t bytes_in_use() const noexcept { return in_use_; }
+  /// @brief The file, for mapping blocks elsewhere.
+  [[nodiscard]] int fd() const noexcept { return fd_; }
+
+  /// @brief The arena address of a byte of the file (fixed while the arena lives).
+  [[nodiscard]] std::byte* address(std::uint64_t offset) const noexcept
+  {
+    const auto bytes = static_cast<std::uint64_t>(superblock_bytes());
+    return superblocks_[static_cast<std::size_t>(offset / bytes)] + offset % bytes;
+  }
+
+  /// @brief A free block of `order`, splitting a larger one or adding a superblock. Strong: a
+  /// failure changes nothing observable.
+  /// @throws error host_memory_exhausted if the system refuses memory; std::bad_alloc
+  [[nodiscard]] block allocate(int order)
+  {
+    // every node this call inserts (a superblock, the halves a split keeps), and the one the
+    // block's release will insert, before anything changes
+    reserve_nodes(blocks_out_ + 2 + static_cast<std::size_t>(max_order_));
+    int from = order;
+    while (from <= max_order_ && free_[static_cast<std::size_t>(from)].empty()) { ++from; }
+    if (from > max_order_) {
+      add_superblock();
+      from = max_order_;
+    }
+    auto& list                 = free_[static_cast<std::size_t>(from)];
+    const std::uint64_t offset = *list.begin();
+    spare_.push_back(list.extract(list.begin()));
+    for (int o = from; o > order; --o) { insert_free(o - 1, offset + block_bytes(o - 1)); }  // the upper halves
+    in_use_ += block_bytes(order);
+    ++blocks_out_;
+    return {offset, order};
+  }
+
+  /// @brief Returns a block (no mapping of it may remain but the arena's own); it merges with its
+  /// free buddies. Never allocates.
+  void release(block b) noexcept
+  {
+    in_use_ -= block_bytes(b.order);
+    --blocks_out_;
+    while (b.order < max_order_) {
+      // buddies differ in one bit of the offset counted in units of base (base need not be a
+      // power of two; superblocks start at multiples of their size, so a buddy never leaves one)
+      auto& list                = free_[static_cast<std::size_t>(b.order)];
+      const std::uint64_t buddy = ((b.offset / base_) ^ (std::uint64_t{1} << b.order)) * base_;
+      const auto it             = list.find(buddy);
+      if (it == list.end()) { break; }
+      spare_.push_back(list.extract(it));
+      b.offset = std::min(b.offset, buddy);
+      ++b.order;
+    }
+    insert_free(b.order, b.offset);
+  }
+
+ private:
+  using node_type = std::set<std::uint64_t>::node_type;
+
+  [[nodiscard]] std::size_t superblock_bytes() const noexcept { return block_bytes(max_order_); }
+
+  // At least `n` spare nodes; spare_ can hold every node there is, so pushing one back never
+  // allocates.
+  void reserve_nodes(std::size_t n)
+  {
+    if (spare_.size() >= n) { return; }
+    spare_.reserve(nodes_ + (n - spare_.size()));
+    while (spare_.size() < n) {
+      std::set<std::uint64_t> one{0};
+      spare_.push_back(one.extract(one.begin()));
+      ++nodes_;
+    }
+  }
+
+  // Puts a free block in its order's list, in a spare node.
+  void insert_free(int order, std::uint64_t offset) noexcept
+  {
+    node_type node = std::move(spare_.back());
+    spare_.pop_back();
+    node.value() = offset;
+    free_[static_cast<std::size_t>(order)].insert(std::move(node));
+  }
+
+  void add_superblock()
+  {
+    const std::size_t bytes = superblock_bytes();
+    const auto offset       = static_cast<off_t>(superblocks_.size() * bytes);
+    superblocks_.reserve(superblocks_.size() + 1);
+    if (::ftruncate(fd_, offset + static_cast<off_t>(bytes)) != 0) { throw_system_error("ftruncate"); }
+    void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, offset);
+    if (at == MAP_FAILED) { throw_system_error("mmap of a row superblock"); }
+    try {
+      RowMemory::register_host(at, bytes);  // kernels write it at this address from now on
+    } catch (...) {
+      ::munmap(at, bytes);
+      throw;
+    }
+    superblocks_.push_back(static_cast<std::byte*>(at));  // reserved: does not throw
+    insert_free(max_order_, static_cast<std::uint64_t>(offset));
+  }
+
+  std::size_t base_;
+  int max_order_;
+  int fd_ = -1;
+  std::vector<std::byte*> superblocks_;         // arena address of each superblock
+  std::vector<std::set<std::uint64_t>> free_;  // per order: offsets of free blocks
+  std::vector<node_type> spare_;               // free-list nodes not in use (see reserve_nodes)
+  std::size_t nodes_      = 0;                 // nodes made: in free_ or in spare_
+  std::size_t blocks_out_ = 0;                 // blocks handed out and not released
+  std::size_t in_use_ = 0;
+};
+
+}  // namespace routing_replay::detail

@@ -1,0 +1,616 @@
+"""routing_replay: capture the experts a Mixture-of-Experts router chose, per token and layer, move
+them off the GPU, file them per request and hand them back as ``[T, L, K]`` numpy arrays.
+
+Python bindings of the header-only C++20/CUDA library (docs/design.md). Two native modules:
+``_core`` (host backend: "device" arrays are numpy arrays, streams are worker threads) is always
+built; ``_core_cuda`` (CUDA backend) is built where nvcc was found. :func:`backends` says which.
+
+One engine step::
+
+    import routing_replay as rr
+    replay = rr.Replay(num_experts=128, top_k=8, max_tokens_per_step=8192, max_model_len=32768,
+                       moe_layers=range(48), device="cuda", copy="double_buffered")
+    replay.add_request("chat-7", prompt_length=1024)
+    plan = rr.StepPlan()
+    plan.schedule("chat-7", first_position=0, num_tokens=512)  # positions come from the engine
+    with replay.step(plan):                                     # begin_step ... end_step
+        for layer in range(48):
+            replay.capture(layer, topk_ids[layer])              # torch int64 [512, 8], graph safe
+    routing = replay.extract("chat-7")                          # numpy [T, 48, 8] int16
+    field = replay.extract_base64_npy("chat-7")                 # vLLM's `routed_experts`
+
+Engines written against vLLM's capturer use :class:`routing_replay.capturer.RoutedExpertsCapturer`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib.util
+import io
+import itertools
+import os
+import sys
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _arrays, _core
+from ._build import BACKENDS as _BUILT_BACKENDS
+from ._build import CUDA_NOTE as _CUDA_NOTE
+from ._core import Config, Error, HostEvent, HostStream, StepPlan
+
+__all__ = [
+    "Config",
+    "Error",
+    "HostEvent",
+    "HostStream",
+    "Replay",
+    "StepPlan",
+    "INDEX_TYPES",
+    "LAYOUTS",
+    "COPY_STRATEGIES",
+    "STORAGES",
+    "backends",
+    "cuda_available",
+    "policies",
+    "sentinel",
+    "to_npy",
+    "to_base64_npy",
+    "from_base64_npy",
+    "write_npy",
+]
+
+try:
+    from importlib.metadata import PackageNotFoundError, version
+
+    __version__ = version("routing-replay")
+except PackageNotFoundError:  # imported from a source tree
+    __version__ = "unknown"
+
+#: Index types (stored id dtype): ``uint8`` (E <= 255), ``uint16``, ``int16`` (E <= 32768), ``int32``.
+INDEX_TYPES = ("uint8", "uint16", "int16", "int32")
+#: Device-buffer layouts: ``layer_major`` (L, N, K) and ``token_major`` (N, L, K).
+LAYOUTS = ("layer_major", "token_major")
+#: Copy strategies: ``sync``, ``async_event``, ``double_buffered`` (depth 2), ``device_scatter`` (depth 2).
+COPY_STRATEGIES = ("sync", "async_event", "double_buffered", "device_scatter")
+#: Host storages: ``per_request`` (zero-copy extraction) and ``block_slot`` (rows at KV slots).
+STORAGES = ("per_request", "block_slot")
+
+_cuda_module = None
+_cuda_import_error: str | None = None
+
+
+def _cuda():
+    """The CUDA module, imported on first use; raises with the reason when it is not there."""
+    global _cuda_module, _cuda_import_error
+    if _cuda_module is None and _cuda_import_error is None:
+        if "cuda" not in _BUILT_BACKENDS:
+            _cuda_import_error = f"the CUDA backend module was {_CUDA_NOTE}"
+        else:
+            try:
+                from . import _core_cuda
+
+                _cuda_module = _core_cuda
+            except ImportError as e:  # e.g. no CUDA runtime library on this machine
+                _cuda_import_error = f"the CUDA backend module does not import: {e}"
+    if _cuda_module is None:
+        raise RuntimeError(f"routing_replay: no CUDA backend: {_cuda_import_error}")
+    return _cuda_module
+
+
+def backends() -> list[str]:
+    """Backends whose native module was built and imports here: ``["host"]`` or ``["host", "cuda"]``.
+
+    A listed ``cuda`` may still have no device: see :func:`cuda_available`.
+    """
+    try:
+        _cuda()
+        return ["host", "cuda"]
+    except RuntimeError:
+        return ["host"]
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA backend is built and a CUDA device is usable."""
+    try:
+        return bool(_cuda().available())
+    except RuntimeError:
+        return False
+
+
+def policies(backend: str = "host") -> list[dict[str, str]]:
+    """The compiled instantiations of a backend: dicts with ``index``, ``layout``, ``copy``, ``storage``.
+
+    The host backend has every valid combination (56); the CUDA backend has every copy strategy and
+    storage for ``int16`` with both layouts and for ``int32`` and ``uint8`` with ``layer_major`` (28).
+    """
+    module = _core if backend == "host" else _cuda()
+    out = []
+    for key in module.policies():
+        index, layout, copy, storage = key.split("/")
+        out.append({"index": index, "layout": layout, "copy": copy, "storage": storage})
+    return out
+
+
+def sentinel(index: str) -> int:
+    """The value that marks a missing row for an index type: -1 (signed) or the type's maximum."""
+    info = np.iinfo(np.dtype(index))
+    return -1 if info.min < 0 else int(info.max)
+
+
+def to_npy(array) -> bytes:
+    """The bytes of a ``.npy`` file holding an integer array (8, 16 or 32 bits), as the library writes it."""
+    return _core.to_npy(np.ascontiguousarray(array))
+
+
+def to_base64_npy(array) -> str:
+    """base64 of :func:`to_npy`: the wire format of vLLM's OpenAI API field ``routed_experts``."""
+    return _core.base64_encode(to_npy(array))
+
+
+def from_base64_npy(field: str) -> np.ndarray:
+    """Decodes a ``routed_experts`` field (base64 of a ``.npy`` file) into its array."""
+    return np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False)
+
+
+def write_npy(path: str | os.PathLike, array) -> None:
+    """Writes an integer array as a ``.npy`` file (what :func:`to_npy` returns)."""
+    with open(path, "wb") as f:
+        f.write(to_npy(array))
+
+
+_replay_ids = itertools.count(1)
+#: Live replays and capturers by id, for the torch custom op (routing_replay.torch_ops).
+_live: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _parse_device(device) -> tuple[str, int]:
+    """("host", 0) or ("cuda", index) from "cpu"/"host"/"cuda"/"cuda:1"/torch.device/int/None."""
+    if device is None:
+        return ("cuda", -1) if cuda_available() else ("host", 0)
+    if isinstance(device, int):
+        return "cuda", device
+    text = str(device)
+    if text in ("cpu", "host"):
+        return "host", 0
+    if text == "cuda":
+        return "cuda", -1
+    if text.startswith("cuda:"):
+        return "cuda", int(text[5:])
+    raise ValueError(f"device must be 'cpu', 'host', 'cuda' or 'cuda:N', got {device!r}")
+
+
+class Replay:
+    """One compiled ``RoutingReplay<Backend, Index, Layout, Copy, Storage>``, chosen by arguments.
+
+    Args:
+        num_experts: E, routed experts per MoE layer (ids ``[0, E)`` are valid).
+        top_k: K, experts per token and layer.
+        max_tokens_per_step: N_max, the most rows (tokens) of one step.
+        max_model_len: positions lie in ``[0, max_model_len)``.
+        moe_layers: the layer map: the model layer index of each captured layer, in capture order.
+        device: ``"cpu"``/``"host"`` (host backend), ``"cuda"`` or ``"cuda:N"`` (CUDA backend), a
+            ``torch.device``, or ``None``: CUDA if available, else host.
+        index: stored id type, one of :data:`INDEX_TYPES`.
+        layout: device-buffer layout, one of :data:`LAYOUTS`.
+        copy: copy strategy, one of :data:`COPY_STRATEGIES`.
+        storage: host storage, one of :data:`STORAGES`.
+        num_fused_shared_experts: extra router-output columns after the first K, skipped.
+        num_model_layers: layers of the model (0: one past the last MoE layer).
+        block_size, num_blocks: KV blocks (``block_slot`` storage).
+        host_memory_limit: cap on host bytes of stored rows (None: no cap).
+        overwrite_recomputed_rows: preemption: keep the latest routing of a position, not the first.
+        copy_stream: the side stream copies run on (side-stream strategies; default: the replay's
+            own). It must outlive the replay; the replay keeps a reference to it.
+
+    Raises:
+        Error: the library refused the configuration (``code`` says why).
+        ValueError: no compiled instantiation for these policies on this backend.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        max_tokens_per_step: int,
+        max_model_len: int,
+        moe_layers: Iterable[int],
+        *,
+        device=None,
+        index: str = "int16",
+        layout: str = "layer_major",
+        copy: str = "sync",
+        storage: str = "per_request",
+        num_fused_shared_experts: int = 0,
+        num_model_layers: int = 0,
+        block_size: int = 0,
+        num_blocks: int = 0,
+        host_memory_limit: int | None = None,
+        overwrite_recomputed_rows: bool = False,
+        copy_stream=None,
+        _staging: bool = False,
+    ) -> None:
+        config = Config()
+        config.num_experts = num_experts
+        config.top_k = top_k
+        config.max_tokens_per_step = max_tokens_per_step
+        config.max_model_len = max_model_len
+        config.moe_layers = [int(layer) for layer in moe_layers]
+        config.num_fused_shared_experts = num_fused_shared_experts
+        config.num_model_layers = num_model_layers
+        config.block_size = block_size
+        config.num_blocks = num_blocks
+        if host_memory_limit is not None:
+            config.host_memory_limit = host_memory_limit
+        config.overwrite_recomputed_rows = overwrite_recomputed_rows
+        for value, allowed, what in ((index, INDEX_TYPES, "index"), (layout, LAYOUTS, "layout"),
+                                     (copy, COPY_STRATEGIES, "copy"), (storage, STORAGES, "storage")):
+            if value not in allowed:
+                raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
+
+        backend, device_index = _parse_device(device)
+        self._copy_stream = copy_stream  # keeps it alive as long as the replay
+        if backend == "host":
+            if copy_stream is not None and not isinstance(copy_stream, HostStream):
+                raise TypeError("the host backend's copy_stream is a routing_replay.HostStream")
+            try:
+                native = _core.create(index, layout, copy, storage, config, copy_stream, _staging)
+            except Error as e:
+                raise _policy_error(e) from None
+            self._default_stream: HostStream | None = HostStream()
+        else:
+            cuda = _cuda()
+            handle = None if copy_stream is None else _arrays.cuda_stream_handle(copy_stream)
+            with _cuda_device(cuda, device_index):
+                try:
+                    native = cuda.create(index, layout, copy, storage, config, handle, _staging)
+                except Error as e:
+                    raise _policy_error(e) from None
+            self._default_stream = None
+        self._native = native
+        self._on_host = native.on_host
+        self._held_stream = None
+        self._id = next(_replay_ids)
+        _live[self._id] = self
+        self._torch_op, self._compiling = _torch_capture_op()
+
+    # ---- shape and accounting ------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """``"host"`` or ``"cuda"``."""
+        return "host" if self._on_host else "cuda"
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``: where the device buffer lives."""
+        return "cpu" if self._on_host else f"cuda:{self._native.device}"
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """The instantiation: ``backend``, ``index``, ``layout``, ``copy``, ``storage``."""
+        return self._native.policies
+
+    @property
+    def config(self) -> Config:
+        """The validated configuration (a copy)."""
+        return self._native.config
+
+    @property
+    def index_dtype(self) -> np.dtype:
+        """The numpy dtype of stored ids (and of extracted arrays)."""
+        return np.dtype(self._native.index_dtype)
+
+    @property
+    def sentinel(self) -> int:
+        """The value of missing rows: -1 for signed index types, the maximum for unsigned ones."""
+        return sentinel(self._native.index_dtype)
+
+    @property
+    def num_layers(self) -> int:
+        """L: captured MoE layers."""
+        return self._native.num_layers
+
+    @property
+    def top_k(self) -> int:
+        """K."""
+        return self.config.top_k
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the device buffer D (N_max * L * K * itemsize)."""
+        return self._native.device_bytes
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of the device snapshots the copies read (one D per ring slot)."""
+        return self._native.snapshot_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host row storage in use."""
+        return self._native.host_bytes
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps copied but not yet filed (deferred copy strategies)."""
+        return self._native.steps_in_flight
+
+    @property
+    def num_requests(self) -> int:
+        """Live requests."""
+        return self._native.num_requests
+
+    @property
+    def live_views(self) -> int:
+        """Zero-copy extractions still alive (see :meth:`extract`)."""
+        return self._native.live_views
+
+    def layer_slot(self, model_layer: int) -> int:
+        """The captured index of a model layer (raises Error ``unknown_layer`` if not captured)."""
+        return self._native.layer_slot(model_layer)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: int | str, prompt_length: int = -1, cached_slots=None) -> None:
+        """Registers a request that asked for its routing (others are only ``StepPlan.skip``-ped).
+
+        ``prompt_length`` splits prompt and generation rows; ``cached_slots`` (a prefix-cache hit)
+        names the KV slots holding positions ``[0, len(cached_slots))``.
+        """
+        self._native.add_request(request_id, prompt_length, cached_slots)
+
+    def add_cached_prefix(self, request_id: int | str, cached_slots) -> None:
+        """A live request restarts with positions ``[0, len(cached_slots))`` served from the prefix cache."""
+        self._native.add_cached_prefix(request_id, cached_slots)
+
+    def __contains__(self, request_id: int | str) -> bool:
+        """Whether a request is live."""
+        return self._native.contains(request_id)
+
+    def recorded_rows(self, request_id: int | str) -> int:
+        """T: one past the highest committed position (files the request's steps in flight first)."""
+        return self._native.recorded_rows(request_id)
+
+    def accept_draft(self, request_id: int | str, num_accepted: int) -> None:
+        """Resolves the request's oldest pending draft group: the first ``num_accepted`` drafts are kept."""
+        self._native.accept_draft(request_id, num_accepted)
+
+    def release(self, request_id: int | str) -> None:
+        """Forgets a finished request and frees its rows.
+
+        Raises:
+            BufferError: a zero-copy extraction of the request is still alive.
+        """
+        self._native.release(request_id)
+
+    def abort(self, request_id: int | str) -> None:
+        """Drops a request at any time (raises BufferError while a zero-copy extraction of it lives)."""
+        self._native.abort(request_id)
+
+    # ---- extraction ----------------------------------------------------------------------------
+
+    def extract(
+        self,
+        request_id: int | str,
+        start_position: int = 0,
+        end_position: int | None = None,
+        *,
+        prompt_length: int | None = None,
+        include_dense_layers: bool = False,
+        copy: bool = False,
+    ) -> np.ndarray:
+        """A request's routing, rows ``[start_position, end_position)``, as a numpy ``[T, L, K]`` array.
+
+        With ``per_request`` storage the array is a read-only zero-copy view of the storage (unless
+        ``copy=True`` or ``include_dense_layers``). While such a view (or any array derived from it)
+        is alive, :meth:`release`, :meth:`abort` and a step that schedules the request raise
+        ``BufferError``: delete the views, or extract with ``copy=True``. Other extractions are owned
+        copies. Missing rows hold :attr:`sentinel`. ``end_position`` clips (default: the recorded
+        length); ``include_dense_layers`` returns every model layer, dense ones as the sentinel.
+        """
+        return self._native.extract(request_id, start_position, -1 if end_position is None else end_position,
+                                    -1 if prompt_length is None else prompt_length, include_dense_layers, copy)
+
+    def extract_npy(self, request_id: int | str, start_position: int = 0, end_position: int | None = None, *,
+                    include_dense_layers: bool = False) -> bytes:
+        """The bytes of a ``.npy`` file with the request's routing (see :meth:`extract`)."""
+        return self._native.extract_npy(request_id, start_position, -1 if end_position is None else end_position, -1,
+                                        include_dense_layers)
+
+    def extract_base64_npy(self, request_id: int | str, start_position: int = 0, end_position: int | None = None, *,
+                           include_dense_layers: bool = False) -> str:
+        """base64 of :meth:`extract_npy`: vLLM's ``routed_experts`` field."""
+        return self._native.extract_base64_npy(request_id, start_position,
+                                               -1 if end_position is None else end_position, -1, include_dense_layers)
+
+    def write_npy(self, request_id: int | str, path: str | os.PathLike, start_position: int = 0,
+                  end_position: int | None = None, *, include_dense_layers: bool = False) -> None:
+        """Writes the request's routing to a ``.npy`` file."""
+        self._native.write_npy(request_id, os.fspath(path), start_position,
+                               -1 if end_position is None else end_position, -1, include_dense_layers)
+
+    # ---- block-slot storage --------------------------------------------------------------------
+
+    def export_blocks(self, blocks: Sequence[int]) -> np.ndarray:
+        """Rows of whole KV blocks, ``[len(blocks) * block_size, L, K]`` (block_slot storage)."""
+        return self._native.export_blocks(blocks)
+
+    def import_blocks(self, blocks: Sequence[int], rows: np.ndarray) -> None:
+        """Fills whole KV blocks with rows from :meth:`export_blocks` (block_slot storage)."""
+        self._native.import_blocks(blocks, np.ascontiguousarray(rows))
+
+    def copy_blocks(self, source: Sequence[int], destination: Sequence[int]) -> None:
+        """The rows of block ``source[i]`` move with its KV to ``destination[i]`` (block_slot storage)."""
+        self._native.copy_blocks(source, destination)
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def stream_handle(self, stream=None) -> int:
+        """The native handle of a stream argument (see :mod:`routing_replay._arrays`)."""
+        if self._on_host:
+            s = self._default_stream if stream is None else stream
+            if s is not self._held_stream:
+                if not isinstance(s, HostStream):
+                    raise TypeError("host backend streams are routing_replay.HostStream objects")
+                self._native.hold_stream(s)  # the replay waits for it before it is destroyed
+                self._held_stream = s
+            return s.handle
+        return _arrays.cuda_stream_handle(stream)
+
+    @property
+    def default_stream(self) -> HostStream | None:
+        """Host backend: the stream calls use when given none (None on CUDA)."""
+        return self._default_stream
+
+    def begin_step(self, plan: StepPlan, stream=None) -> None:
+        """Opens a step: validates the whole plan and reserves host storage (raises before any change)."""
+        self._native.begin_step(plan, self.stream_handle(stream))
+
+    def end_step(self, stream=None) -> None:
+        """Closes the step after its forward was enqueued on `stream`: checks, snapshots and resets the
+        device buffer, copies, and files (now, or later for deferred strategies)."""
+        self._native.end_step(self.stream_handle(stream))
+
+    @contextlib.contextmanager
+    def step(self, plan: StepPlan, stream=None) -> Iterator[Replay]:
+        """``with replay.step(plan): forward()`` runs :meth:`begin_step` and :meth:`end_step` around it.
+
+        If the body raises, the step is still closed, and the body's exception is the one raised.
+        """
+        self.begin_step(plan, stream)
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.end_step(stream)
+            raise
+        self.end_step(stream)
+
+    def drain(self) -> None:
+        """Files every step still in flight, waiting for their copies."""
+        self._native.drain()
+
+    def reset_device_buffer(self, stream=None) -> None:
+        """Resets every row capture paths were handed (after replaying a recorded forward outside a step)."""
+        self._native.reset_device_buffer(self.stream_handle(stream))
+
+    # ---- capture -------------------------------------------------------------------------------
+
+    def capture(self, layer: int, topk_ids, num_tokens: int | None = None, stream=None, *, row_offset: int = 0,
+                physical_to_logical=None) -> None:
+        """Records a layer's router output: the first K columns of ``topk_ids`` ``[n, K (+shared)]``.
+
+        ``topk_ids`` is any integer array on the replay's device (torch, numpy on the host backend,
+        CuPy/Numba/JAX through ``__cuda_array_interface__`` or DLPack). One small kernel on `stream`;
+        safe inside ``torch.cuda.graph`` (fixed addresses, no sync, no allocation) and, with torch,
+        inside ``torch.compile`` (a registered custom op). ``num_tokens`` defaults to the rows after
+        ``row_offset`` (data parallel: this rank's first row). ``physical_to_logical``: a device int32
+        map from physical (EPLB) to logical expert ids. On the host backend the ids are read during
+        the call, so the array may be reused at once.
+        """
+        if self._torch_op is None and _arrays.is_torch_tensor(topk_ids):  # torch was imported after __init__
+            self._torch_op, self._compiling = _torch_capture_op()
+        if self._torch_op is not None and self._compiling():
+            if stream is not None:
+                raise ValueError("capture under torch.compile runs on the current stream: pass no stream")
+            self._torch_op(topk_ids, self._id, layer, -1 if num_tokens is None else num_tokens, row_offset,
+                           physical_to_logical)
+            return
+        self._capture_now(layer, topk_ids, num_tokens, stream, row_offset, physical_to_logical)
+
+    def capture_pointer(self, layer: int, data: int, dtype: str, num_tokens: int, row_stride: int, stream=None,
+                        *, physical_to_logical: int = 0, num_physical_experts: int = 0) -> None:
+        """:meth:`capture` from a raw device pointer: ``num_tokens`` rows of ``row_stride`` elements of
+        ``dtype`` (e.g. ``"int64"``), and a stream handle. Nothing checks the pointer."""
+        self._native.capture(layer, data, _arrays.DTYPE_CODES[str(dtype)], num_tokens, row_stride,
+                             self.stream_handle(stream), 0, physical_to_logical, num_physical_experts)
+
+    def _capture_now(self, layer, topk_ids, num_tokens, stream, row_offset, physical_to_logical) -> None:
+        ids = self._check_array(topk_ids)
+        n = ids.rows - row_offset if num_tokens is None or num_tokens < 0 else num_tokens
+        if row_offset < 0 or n < 0 or row_offset + n > ids.rows:
+            raise ValueError(f"capture: rows [{row_offset}, {row_offset + n}) of an array with {ids.rows} rows")
+        if ids.cols < self.top_k:
+            raise ValueError(f"capture: {ids.cols} columns, fewer than top_k = {self.top_k}")
+        map_ptr, map_len = 0, 0
+        if physical_to_logical is not None:
+            map_ptr, map_len, map_device, map_index, _ = _arrays.int32_vector(physical_to_logical,
+                                                                              "physical_to_logical")
+            self._check_device(map_device, map_index, "physical_to_logical")
+        self._native.capture(layer, ids.ptr, ids.dtype, n, ids.row_stride, self.stream_handle(stream), row_offset,
+                             map_ptr, map_len)
+
+    def _op_capture(self, layer: int, topk_ids, num_tokens: int, row_offset: int, physical_to_logical) -> None:
+        """Body of the torch custom op (routing_replay.torch_ops): capture on the current stream."""
+        self._capture_now(layer, topk_ids, num_tokens, None, row_offset, physical_to_logical)
+
+    def _check_array(self, array) -> _arrays.IdArray:
+        ids = _arrays.describe(array)
+        self._check_device(ids.device, ids.device_index, "topk_ids")
+        return ids
+
+    def _check_device(self, device: str, index: int, what: str) -> None:
+        if self._on_host:
+            if device != "cpu":
+                raise ValueError(f"{what} is on {device}, but this replay runs on the host backend")
+        elif device != "cuda" or index != self._native.device:
+            raise ValueError(f"{what} is on {device}:{index}, but this replay's buffers are on {self.device}")
+
+    def layer_view(self, layer: int, num_rows: int, stream=None):
+        """The ``[num_rows, K]`` window of the device buffer for a model layer, for kernels that write
+        routing themselves (FlashInfer's ``routing_replay_out`` with ``layer_major`` and ``int16``).
+
+        CUDA: a DLPack array (``torch.from_dlpack(view)``, ``cupy.from_dlpack(view)``); a torch tensor
+        when torch is imported. Host: a writable numpy array; `stream` (or the default stream) is
+        synchronized first, so writes from Python come after the work already enqueued on it.
+        """
+        if self._on_host:
+            (self._default_stream if stream is None else stream).synchronize()
+        view = self._native.layer_view(layer, num_rows)
+        if not self._on_host and "torch" in sys.modules:
+            return sys.modules["torch"].from_dlpack(view)
+        return view
+
+    def __repr__(self) -> str:
+        p = self.policies
+        return (f"Replay({p['backend']}, index={p['index']}, layout={p['layout']}, copy={p['copy']}, "
+                f"storage={p['storage']}, L={self.num_layers}, K={self.top_k})")
+
+
+class _cuda_device(contextlib.AbstractContextManager):
+    """Makes a CUDA device current for the block (-1: leave the current one)."""
+
+    def __init__(self, cuda, index: int) -> None:
+        self._cuda, self._index, self._previous = cuda, index, None
+
+    def __enter__(self):
+        if self._index >= 0:
+            self._previous = self._cuda.current_device()
+            if self._previous != self._index:
+                self._cuda.set_device(self._index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None and self._previous != self._index:
+            self._cuda.set_device(self._previous)
+
+
+def _policy_error(e: Error) -> Exception:
+    """A missing instantiation is a ValueError for Python callers; other errors pass through."""
+    return ValueError(str(e)) if getattr(e, "code", None) == "invalid_argument" and "no compiled" in str(e) else e
+
+
+def _torch_capture_op(import_torch: bool = False):
+    """(the torch custom op capture() dispatches to under torch.compile, torch.compiler.is_compiling)
+    when torch is imported (or, with `import_torch`, importable), else (None, None). Both are stored
+    as plain attributes, so Dynamo traces the test in capture()."""
+    if "torch" not in sys.modules:
+        if not import_torch or importlib.util.find_spec("torch") is None:
+            return None, None
+    from . import torch_ops
+
+    return torch_ops.capture_op(), sys.modules["torch"].compiler.is_compiling

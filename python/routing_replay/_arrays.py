@@ -1,0 +1,168 @@
+"""How arrays and streams from any framework become the pointers and handles the native calls take.
+
+Arrays (router outputs): torch tensors (read directly: data_ptr, dtype, strides), numpy arrays,
+objects with ``__cuda_array_interface__`` (CuPy, Numba, JAX) and anything DLPack or the buffer
+protocol can hand over. No framework is imported here; torch is only looked at when the caller
+already imported it.
+
+Streams (CUDA backend): an ``int`` (a ``cudaStream_t``), an object with ``cuda_stream`` (torch) or
+``ptr`` (CuPy) or ``__cuda_stream__`` (the CUDA stream protocol), or ``None``: the current torch
+stream when torch has initialised CUDA, else CuPy's current stream when CuPy is imported, else 0
+(the legacy default stream). Host backend: a :class:`routing_replay.HostStream`, or ``None`` for the
+replay's own default stream.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _core
+
+#: numpy/torch dtype name -> native dtype code.
+DTYPE_CODES: dict[str, int] = dict(_core.DTYPES)
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_HOST = 3
+_DLPACK_CUDA_MANAGED = 13
+
+
+class IdArray(NamedTuple):
+    """A 2-D integer array as the native calls see it."""
+
+    ptr: int  #: address of element (0, 0)
+    dtype: int  #: native dtype code
+    rows: int  #: first dimension
+    cols: int  #: second dimension
+    row_stride: int  #: elements between rows
+    device: str  #: "cpu" or "cuda"
+    device_index: int  #: CUDA device (0 on the CPU)
+    owner: Any  #: the object whose memory this is
+
+
+def _code(name: str) -> int:
+    try:
+        return DTYPE_CODES[name]
+    except KeyError:
+        raise TypeError(f"routing ids must be an integer array (int8 ... uint64), got dtype {name}") from None
+
+
+def _two_d(shape, strides, what: str, itemsize: int = 1) -> tuple[int, int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"{what}: expected a 2-D array [num_tokens, K (+ shared experts)], got shape {tuple(shape)}")
+    rows, cols = int(shape[0]), int(shape[1])
+    if strides is None or rows == 0:
+        return rows, cols, cols
+    row_stride, col_stride = int(strides[0]) // itemsize, int(strides[1]) // itemsize
+    if col_stride != 1 and cols > 1:
+        raise ValueError(f"{what}: the columns of each row must be contiguous (column stride {col_stride})")
+    if rows == 1:
+        return rows, cols, max(row_stride, cols)
+    if row_stride < cols:
+        raise ValueError(f"{what}: rows overlap (row stride {row_stride} for {cols} columns)")
+    return rows, cols, row_stride
+
+
+def _torch_tensor(a) -> IdArray:
+    name = str(a.dtype).rsplit(".", 1)[-1]
+    rows, cols, stride = _two_d(tuple(a.shape), a.stride(), "topk_ids")
+    dev = a.device
+    return IdArray(a.data_ptr(), _code(name), rows, cols, stride, "cuda" if dev.type == "cuda" else dev.type,
+                   dev.index or 0, a)
+
+
+def _numpy_array(a: np.ndarray) -> IdArray:
+    rows, cols, stride = _two_d(a.shape, a.strides, "topk_ids", a.itemsize)
+    return IdArray(a.__array_interface__["data"][0], _code(a.dtype.name), rows, cols, stride, "cpu", 0, a)
+
+
+def _cuda_array_interface(a, cai: dict) -> IdArray:
+    dtype = np.dtype(cai["typestr"])
+    strides = cai.get("strides")
+    rows, cols, stride = _two_d(cai["shape"], strides, "topk_ids", dtype.itemsize)
+    return IdArray(int(cai["data"][0]), _code(dtype.name), rows, cols, stride, "cuda", _cai_device(a), a)
+
+
+def _cai_device(a) -> int:
+    device = getattr(a, "device", None)
+    index = getattr(device, "id", None)  # CuPy
+    if index is None:
+        index = getattr(device, "index", None)
+    return int(index or 0)
+
+
+def _dlpack(a) -> IdArray:
+    ptr, code, shape, strides, device_type, device_id = _core.array_info(a)
+    rows, cols, stride = _two_d(shape, strides, "topk_ids")
+    if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+        device = "cpu"
+    elif device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+        device = "cuda"
+    else:
+        raise TypeError(f"topk_ids: unsupported DLPack device type {device_type}")
+    return IdArray(ptr, code, rows, cols, stride, device, device_id, a)
+
+
+def is_torch_tensor(a) -> bool:
+    """Whether `a` is a torch tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(a, torch.Tensor)
+
+
+def describe(a) -> IdArray:
+    """Pointer, dtype, shape, row stride and device of a 2-D integer array from any framework."""
+    if isinstance(a, np.ndarray):
+        return _numpy_array(a)
+    if is_torch_tensor(a):
+        return _torch_tensor(a)
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _cuda_array_interface(a, cai)
+    if hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__") or isinstance(a, memoryview):
+        return _dlpack(a)
+    return _numpy_array(np.asarray(a))
+
+
+def int32_vector(a, what: str) -> tuple[int, int, str, int, Any]:
+    """(pointer, length, device, device index, owner) of a 1-D int32 array (a physical->logical map)."""
+    if isinstance(a, np.ndarray):
+        if a.dtype != np.int32 or a.ndim != 1 or not a.flags.c_contiguous:
+            raise TypeError(f"{what}: expected a contiguous 1-D int32 array")
+        return a.__array_interface__["data"][0], a.shape[0], "cpu", 0, a
+    if is_torch_tensor(a):
+        if str(a.dtype) != "torch.int32" or a.dim() != 1 or not a.is_contiguous():
+            raise TypeError(f"{what}: expected a contiguous 1-D int32 tensor")
+        return a.data_ptr(), a.shape[0], ("cuda" if a.device.type == "cuda" else "cpu"), a.device.index or 0, a
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is not None:
+        if np.dtype(cai["typestr"]) != np.int32 or len(cai["shape"]) != 1:
+            raise TypeError(f"{what}: expected a 1-D int32 array")
+        if cai.get("strides") not in (None, (4,)):
+            raise TypeError(f"{what}: expected a contiguous array")
+        return int(cai["data"][0]), int(cai["shape"][0]), "cuda", _cai_device(a), a
+    return int32_vector(np.ascontiguousarray(a, dtype=np.int32), what)
+
+
+def cuda_stream_handle(stream) -> int:
+    """The cudaStream_t of `stream` as an int (see the module docstring for what is accepted)."""
+    if stream is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_stream().cuda_stream)
+        cupy = sys.modules.get("cupy")
+        if cupy is not None:
+            return int(cupy.cuda.get_current_stream().ptr)
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attribute in ("cuda_stream", "ptr"):
+        value = getattr(stream, attribute, None)
+        if isinstance(value, int):
+            return value
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        return int(protocol()[1])
+    raise TypeError(f"not a CUDA stream: {stream!r} (pass an int cudaStream_t, a torch or CuPy stream, or None)")

@@ -1,0 +1,89 @@
+"""Shared fixtures: the backends this machine can run, and arrays on them.
+
+The suite runs on the host backend everywhere. The CUDA backend is added where its module was
+built, a GPU is usable and torch is importable (CUDA arrays are torch tensors); otherwise its tests
+are skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import routing_replay as rr
+
+if importlib.util.find_spec("routing_replay._core") is None:  # pragma: no cover - a setup error
+    pytest.exit(f"routing_replay at {os.path.dirname(rr.__file__)} has no native module: install the package "
+                "(pip install ./python) and run pytest from outside python/", returncode=4)
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def cuda_skip_reason() -> str | None:
+    """Why the CUDA backend cannot be tested here, or None."""
+    if "cuda" not in rr.backends():
+        return f"the CUDA backend module was not built ({rr._CUDA_NOTE})"
+    if not rr.cuda_available():
+        return "no CUDA device"
+    if not HAVE_TORCH:
+        return "torch is not installed (the CUDA tests make their device arrays with torch)"
+    return None
+
+
+CUDA_SKIP = cuda_skip_reason()
+if CUDA_SKIP is not None and os.environ.get("ROUTING_REPLAY_REQUIRE_CUDA"):  # scripts/python_gpu_check.sh
+    pytest.exit(f"ROUTING_REPLAY_REQUIRE_CUDA is set, but the CUDA cases cannot run: {CUDA_SKIP}", returncode=3)
+requires_cuda = pytest.mark.skipif(CUDA_SKIP is not None, reason=f"CUDA backend: {CUDA_SKIP}")
+requires_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+
+BACKENDS = [
+    "host",
+    pytest.param("cuda", marks=requires_cuda),
+]
+
+
+class Device:
+    """Makes router outputs on one backend: numpy arrays on the host, torch CUDA tensors on CUDA."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.name = "cpu" if backend == "host" else "cuda"
+        if backend == "cuda":
+            import torch
+
+            self.torch = torch
+
+    def array(self, a: np.ndarray):
+        """`a` on this backend (same dtype and shape; rows contiguous)."""
+        if self.backend == "host":
+            return np.ascontiguousarray(a)
+        return self.torch.from_numpy(np.ascontiguousarray(a)).to("cuda")
+
+    def synchronize(self) -> None:
+        """Waits for device work (CUDA)."""
+        if self.backend == "cuda":
+            self.torch.cuda.synchronize()
+
+
+@pytest.fixture(params=BACKENDS)
+def device(request) -> Device:
+    """Each backend this machine can run."""
+    return Device(request.param)
+
+
+@pytest.fixture
+def host() -> Device:
+    """The host backend."""
+    return Device("host")
+
+
+def pytest_report_header(config):
+    return (f"routing_replay {rr.__version__}: backends built {list(rr._BUILT_BACKENDS)}, importable "
+            f"{rr.backends()}; CUDA tests: {'run' if CUDA_SKIP is None else 'skipped: ' + CUDA_SKIP}")
+
+
+sys.path.insert(0, os.path.dirname(__file__))

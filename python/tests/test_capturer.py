@@ -1,0 +1,169 @@
+"""The drop-in capturer (vLLM PR 39917's interface) against a plain reference capturer with the
+same interface, on one engine loop: chunked prefill, decode, padded batches, requests finishing at
+different times, router outputs of every integer dtype with fused shared-expert columns."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+import routing_replay as rr
+from routing_replay.capturer import RoutedExpertsCapturer
+
+L, K, E, S = 4, 2, 24, 1
+N_MAX, MAX_LEN = 16, 64
+DTYPES = ("int64", "int32", "int16", "uint8", "int8", "uint16", "uint32", "uint64")
+
+
+class PlainCapturer:
+    """The reference: a device buffer [L, N, K] written by capture, rows copied to a dict of
+    position -> row per request after the forward, as the capturer of vLLM PR 39917 does."""
+
+    def __init__(self, num_layers, top_k, num_batched_tokens, max_model_len, num_fused_shared_experts, device):
+        self.buffer = np.zeros((num_layers, num_batched_tokens, top_k), dtype=np.int16)
+        self.top_k = top_k
+        self.rows: dict[object, dict[int, np.ndarray]] = {}
+
+    def capture(self, layer_id, topk_ids):
+        ids = np.asarray(topk_ids if isinstance(topk_ids, np.ndarray) else topk_ids.cpu().numpy())
+        self.buffer[layer_id, : ids.shape[0]] = ids[:, : self.top_k]
+
+    def sync_fwd_experts_buffer_DtoH(self, positions, num_scheduled_tokens):
+        positions = np.asarray(positions)
+        row = 0
+        for rid, n in num_scheduled_tokens.items():
+            mine = self.rows.setdefault(rid, {})
+            for t in range(n):
+                mine[int(positions[row + t])] = self.buffer[:, row + t].copy()
+            row += n
+
+    def finalize_pending_copy(self):
+        pass
+
+    def get_routed_experts(self, req_id, seqlen=None, free_slot=True):
+        mine = self.rows.get(req_id)
+        if not mine:
+            return None
+        filled = max(mine) + 1
+        end = filled if seqlen is None else min(filled, seqlen)
+        out = np.stack([mine[p] for p in range(end)])
+        if free_slot:
+            del self.rows[req_id]
+        return out
+
+
+def make_array(device, a: np.ndarray):
+    if device.backend == "host":
+        return a
+    return device.torch.from_numpy(a).to("cuda")
+
+
+def positions_of(device, positions):
+    array = np.asarray(positions, dtype=np.int64)
+    if device.backend == "cuda":
+        return device.torch.from_numpy(array)  # a CPU int64 tensor, as vLLM hands it over
+    return array
+
+
+@pytest.mark.parametrize("copy", ["sync", "async_event", "double_buffered"])
+def test_drop_in_matches_plain_reference(device, copy):
+    rng = np.random.default_rng(7)
+    capturer = RoutedExpertsCapturer(L, K, N_MAX, MAX_LEN, S, device.name, num_experts=E, copy=copy)
+    plain = PlainCapturer(L, K, N_MAX, MAX_LEN, S, device.name)
+    requests = {}  # id -> [next position, prompt, target]
+    next_id = 0
+    finished = 0
+    for step in range(40):
+        if len(requests) < 4 and rng.random() < 0.5:
+            prompt = int(rng.integers(1, 10))
+            requests[f"r{next_id}"] = [0, prompt, prompt + int(rng.integers(1, 8))]
+            next_id += 1
+        scheduled = OrderedDict()
+        positions = []
+        for rid, (pos, prompt, target) in requests.items():
+            n = min(prompt - pos, int(rng.integers(1, 5))) if pos < prompt else 1
+            if sum(scheduled.values()) + n > N_MAX - 2:
+                break
+            scheduled[rid] = n
+            positions.extend(range(pos, pos + n))
+        total = sum(scheduled.values())
+        padded = total + (2 if step % 3 == 0 else 0)  # a CUDA-graph-like padded batch
+        for layer in range(L):
+            ids = rng.integers(0, E, size=(padded, K + S)).astype(DTYPES[(step + layer) % len(DTYPES)])
+            capturer.capture(layer, make_array(device, ids))
+            plain.capture(layer, ids)
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, positions + [0] * (padded - total)), scheduled)
+        plain.sync_fwd_experts_buffer_DtoH(positions, scheduled)
+        for rid, n in scheduled.items():
+            requests[rid][0] += n
+        for rid in [r for r, (pos, _, target) in requests.items() if pos >= target]:
+            del requests[rid]
+            seqlen = None if finished % 2 else int(rng.integers(1, 6))
+            if finished % 3 == 0:
+                capturer.finalize_pending_copy()
+            got = capturer.get_routed_experts(rid, seqlen)
+            want = plain.get_routed_experts(rid, seqlen)
+            np.testing.assert_array_equal(got, want, err_msg=rid)
+            assert got.dtype == np.int16 and got.flags.writeable
+            assert capturer.get_routed_experts(rid) is None  # freed
+            finished += 1
+    assert finished >= 5
+    assert capturer.get_routed_experts("never-seen") is None
+
+
+def test_free_slot_false_keeps_the_request(device):
+    capturer = RoutedExpertsCapturer(L, K, N_MAX, MAX_LEN, 0, device.name, num_experts=E)
+    ids = np.arange(3 * K).reshape(3, K) % E
+    for layer in range(L):
+        capturer.capture(layer, make_array(device, ids))
+    capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0, 1, 2]), {"a": 3})
+    first = capturer.get_routed_experts("a", free_slot=False)
+    assert first.shape == (3, L, K)
+    first[:] = 0  # an independent copy
+    np.testing.assert_array_equal(capturer.get_routed_experts("a", seqlen=2), np.stack([ids[:2]] * L, axis=1))
+    assert capturer.get_routed_experts("a") is None
+    field = None
+    for layer in range(L):
+        capturer.capture(layer, make_array(device, ids[:1]))
+    capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0]), {"b": 1})
+    field = capturer.get_routed_experts_base64("b")
+    np.testing.assert_array_equal(rr.from_base64_npy(field), ids[None, :1].repeat(L, 0).transpose(1, 0, 2))
+
+
+def test_errors_surface(device):
+    capturer = RoutedExpertsCapturer(L, K, N_MAX, MAX_LEN, 0, device.name, num_experts=E, copy="sync")
+    bad = np.zeros((2, K), dtype=np.int64)
+    bad[1, 1] = E + 1
+    for layer in range(L):
+        capturer.capture(layer, make_array(device, bad if layer == 2 else bad * 0))
+    with pytest.raises(rr.Error) as e:
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0, 1]), {"a": 2})
+    assert e.value.code == "invalid_expert_id" and str(E + 1) in str(e.value)
+    # a layer the forward did not capture is missing routing, never stale rows from a step before
+    for layer in range(L - 1):
+        capturer.capture(layer, make_array(device, bad * 0))
+    with pytest.raises(rr.Error) as e:  # double_buffered: reported when the step is filed
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0, 1]), {"a": 2})
+        capturer.finalize_pending_copy()
+    assert e.value.code == "missing_routing"
+    with pytest.raises(rr.Error) as e:
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0, 2]), {"a": 2})
+    assert e.value.code == "invalid_plan"
+    # the legacy spelling of the argument; an empty step
+    capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, []), num_scheduled_tokes={})
+
+
+def test_warm_up_rows_are_forgotten(device):
+    capturer = RoutedExpertsCapturer(L, K, N_MAX, MAX_LEN, 0, device.name, num_experts=E)
+    warm = np.ones((8, K), dtype=np.int64)
+    for layer in range(L):  # a dummy run no step files
+        capturer.capture(layer, make_array(device, warm))
+    capturer.reset_device_buffer()
+    for layer in range(L - 1):  # the real forward misses a layer: it must not read the dummy rows
+        capturer.capture(layer, make_array(device, warm[:2]))
+    with pytest.raises(rr.Error) as e:  # double_buffered: reported when the step is filed
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0, 1]), {"a": 2})
+        capturer.finalize_pending_copy()
+    assert e.value.code == "missing_routing"

@@ -1,0 +1,55 @@
+"""The Python examples, run as their users run them: examples/python/numpy_moe.py (host backend,
+numpy only: runs everywhere) and examples/python/hf_qwen3_moe.py (transformers; on the GPU, and
+on the CPU with the host backend where torch and transformers are installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import requires_cuda
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python")
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch")
+requires_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="torch and transformers are not installed")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags", [
+    ["--copy", "sync"],
+    ["--copy", "double_buffered", "--storage", "block_slot"],
+    ["--copy", "device_scatter", "--storage", "block_slot", "--layout", "token_major"],
+    ["--index", "uint8", "--copy", "device_scatter", "--storage", "block_slot"],
+], ids=lambda f: " ".join(f))
+def test_numpy_moe(tmp_path, capsys, flags):
+    assert load("numpy_moe").main(flags + ["--out", str(tmp_path)]) == 0
+    assert "bit-exact" in capsys.readouterr().out
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["request_req-0.npy", "request_req-2.npy", "request_req-3.npy", "request_req-4.npy"]
+    assert np.load(tmp_path / files[0]).shape[1:] == (3, 4)
+
+
+@requires_transformers
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=requires_cuda), "cpu"])
+def test_hf_qwen3_moe(tmp_path, capsys, device):
+    flags = ["--device", device, "--out", str(tmp_path)]
+    assert load("hf_qwen3_moe").main(flags) == 0
+    assert "bit-exact" in capsys.readouterr().out
+    assert len(os.listdir(tmp_path)) == 5
+
+
+@requires_transformers
+@requires_cuda
+def test_hf_qwen3_moe_device_scatter():
+    assert load("hf_qwen3_moe").main(["--copy", "device_scatter", "--storage", "block_slot", "--new-tokens", "8"]) == 0

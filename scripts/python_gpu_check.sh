@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The Python package on a GPU machine whose python3 has torch, transformers, numpy, nanobind,
+# scikit-build-core, pytest and matplotlib, with CUDA 13 (nvcc) and CMake >= 3.25; no internet
+# needed. Builds both modules with the environment's build tools (--no-build-isolation) into
+# build/python-gpu-site (the environment itself is left alone), then runs the whole suite with the
+# CUDA cases required (a skipped CUDA case fails the run), then example (a) on the GPU.
+# Usage: scripts/python_gpu_check.sh [extra pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/common.sh
+site="$PWD/build/python-gpu-site"
+rm -rf "$site"
+start=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps --target "$site" ./python
+echo "== built and installed in $(( $(date +%s) - start )) s"
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+python3 -m routing_replay
+ROUTING_REPLAY_REQUIRE_CUDA=1 python3 -m pytest -rs -p no:cacheprovider python/tests "$@"
+echo "== example (a): a random Qwen3-MoE through transformers, on the GPU"
+python3 examples/python/hf_qwen3_moe.py --device cuda --out build/hf_qwen3_moe_out
