@@ -7,7 +7,8 @@
 #
 # Any finding (a contract violation, a sanitizer report, a timeout) fails the script; the input is
 # left in build/fuzz/findings/ and the line to reproduce it is printed (RR_FUZZ_TRACE=1 traces every
-# call). Keep each fixed finding in tests/fuzz/regressions/.
+# call). Keep each fixed finding in tests/fuzz/regressions/ (a bug of the harness) or
+# tests/fuzz/core_bugs/ (a bug of the library).
 #
 #   scripts/fuzz.sh [SECONDS] [extra libFuzzer flags]
 set -euo pipefail
@@ -28,8 +29,8 @@ mkdir -p build/fuzz/corpus build/fuzz/findings
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0
 export UBSAN_OPTIONS=print_stacktrace=1
-echo "== regressions, each input once (the seed corpus runs when fuzzing starts)"
-"$fuzzer" -runs=0 tests/fuzz/regressions 2>&1 | tail -n 1
+echo "== regressions and the core bugs' inputs, each once (the seed corpus runs when fuzzing starts)"
+"$fuzzer" -runs=0 tests/fuzz/regressions tests/fuzz/core_bugs 2>&1 | tail -n 1
 
 echo "== fuzzing for ${seconds}s"
 log=build/fuzz/last_run.log

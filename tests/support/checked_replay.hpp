@@ -1404,6 +1404,7 @@ class checked_replay {
     if (open_) { return {rr::errc::invalid_state}; }
     std::set<rr::errc> expect;
     if (plan.num_rows() > config_.max_tokens_per_step) { expect.insert(rr::errc::too_many_tokens); }
+    if (plan.padded_rows() > config_.max_tokens_per_step) { expect.insert(rr::errc::too_many_tokens); }
     std::set<std::string> seen;
     std::set<std::int64_t> used_slots;
     std::size_t grow  = 0;
