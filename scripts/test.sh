@@ -8,7 +8,10 @@
 #   threads, label parallel) under ThreadSanitizer: the host backend's streams are real threads, so
 #   the pipeline's ordering and the in-process collectives are checked there; with them the numpy
 #   round trip and the compile-fail check;
-# - the scenario, error and pipeline tests again under AddressSanitizer + UBSan;
+# - the scenario, error and pipeline tests again under AddressSanitizer + UBSan, and the fault
+#   injection sweeps (every backend operation, device/pinned and host allocation fails once);
+# - the short soak (every copy strategy, 100000 steps in all, memory flat) in the -O1 build;
+# - the fuzzer for 2 minutes (clang, its own build: scripts/fuzz.sh);
 # - the Python package exactly as a user installs it (a fresh virtual environment, pip install
 #   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
 #   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, and its pytest suite;
@@ -22,12 +25,15 @@ pip_install numpy numpy
 
 echo "== build: GPU tests, demo, benchmarks (-O1)"
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O1" >/dev/null
-ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench)
+ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench soak)
 # the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
 if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
 cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"
 echo "== GPU and packaging tests"
 ctest --test-dir build/ci --output-on-failure -L "gpu|packaging"
+echo "== soak (short): every copy strategy, 100000 steps in all, memory flat after warm-up"
+build/ci/tests/soak --steps 100000 >build/ci/soak.log 2>&1 || { cat build/ci/soak.log; exit 1; }
+grep '"soak"' build/ci/soak.log
 
 echo "== host tests under ThreadSanitizer"
 # -O1 -g1: the usual sanitizer trade-off, and a much faster build of the template-heavy tests
@@ -37,12 +43,15 @@ cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1
 cmake --build build/tsan -j "$(build_jobs)" --target host_tests parallel_tests
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir build/tsan --output-on-failure -L "host|parallel"
 
-echo "== scenario, error and pipeline tests under AddressSanitizer + UBSan"
+echo "== scenario, error and pipeline tests, fault injection, under AddressSanitizer + UBSan"
 cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" -DROUTING_REPLAY_SANITIZE=ON \
   -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build/asan -j "$(build_jobs)" --target host_core_tests
+cmake --build build/asan -j "$(build_jobs)" --target host_core_tests fault_tests
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build/asan/tests/host_core_tests
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build/asan --output-on-failure -L faults
+
+scripts/fuzz.sh 120
 
 echo "== Python package: fresh virtual environment, pip install ./python (host module), pytest"
 python_venv=build/python-venv

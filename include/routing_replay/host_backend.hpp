@@ -77,12 +77,13 @@ struct host_backend {
   using stream = host_stream;
   /// @brief Owning event.
   using event = host_event;
-  /// @brief Memory that kernels read and write.
+  /// @brief Memory that kernels read and write; freeing it waits for the host streams, as cudaFree
+  /// synchronizes the device.
   template <class T>
-  using device_vector = std::vector<T>;
-  /// @brief Host memory that asynchronous copies may target.
+  using device_vector = std::vector<T, detail::stream_ordered_allocator<T>>;
+  /// @brief Host memory that asynchronous copies may target; freeing it waits as device memory does.
   template <class T>
-  using pinned_vector = std::vector<T>;
+  using pinned_vector = std::vector<T, detail::stream_ordered_allocator<T>>;
 
   /// @brief Human-readable name.
   static constexpr const char* name = "host";

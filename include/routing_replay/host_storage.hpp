@@ -88,6 +88,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   { cstore.generation_of(position) } -> std::same_as<std::uint32_t>;
   { store.claim(h, position, position, std::uint32_t{0}, std::uint64_t{0}, true) } -> std::same_as<detail::row_claim<std::int16_t>>;
   store.unclaim(h, position, position, std::uint64_t{0});
+  store.restore_claim(h, position, position, std::uint64_t{1}, std::uint64_t{0});
   store.set_filed_through(std::uint64_t{0});
   cstore.device_pieces(h, row, position, detail::piece_probe{});
   store.erase(h, position, position);

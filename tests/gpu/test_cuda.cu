@@ -1,9 +1,11 @@
-// CUDA-only checks: the concepts under nvcc, device-detected errors through real kernels, and a
-// forward recorded once into a CUDA graph and replayed with new ids every step. Returns 77 (CTest:
-// skipped) when no GPU is present.
+// CUDA-only checks: the concepts under nvcc, device-detected errors through real kernels, a
+// forward recorded once into a CUDA graph and replayed with new ids every step, and fault injection
+// over the CUDA backend. Returns 77 (CTest: skipped) when no GPU is present.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include "../support/concept_checks.hpp"
 #include "../support/error_checks.hpp"
+#include "../support/fault_backend.hpp"
+#include "../support/fault_sweep.hpp"
 #include "../support/harness.hpp"
 #include "../support/pipeline_stress.hpp"
 #include "../support/strategy_lists.hpp"
@@ -101,6 +103,22 @@ TEST_CASE_TEMPLATE_DEFINE("CUDA: with the copy stream shut, end_step returns and
   rr_test::check_compute_never_waits_for_copies<RR>();
 }
 TEST_CASE_TEMPLATE_APPLY(gate_cuda, rr_test::side_stream_strategies<rr::cuda_backend>);
+
+// Fault injection over the CUDA backend: every backend operation and device/pinned allocation fails
+// once in the fault sweep's schedule (tests/support/fault_sweep.hpp).
+TEST_CASE_TEMPLATE_DEFINE("CUDA: every backend operation and device/pinned allocation fails once: documented state, no hang",
+                          RR, faults_cuda)
+{
+  rr_test::check_sweep(rr_test::sweep<RR>(rr_test::fault_source::backend), "CUDA backend");
+}
+TEST_CASE_TEMPLATE_APPLY(
+  faults_cuda,
+  std::tuple<rr::RoutingReplay<rr_test::faulty_backend<rr::cuda_backend>, std::int16_t, rr::layer_major, rr::sync_copy,
+                               rr::per_request_storage>,
+             rr::RoutingReplay<rr_test::faulty_backend<rr::cuda_backend>, std::uint8_t, rr::token_major,
+                               rr::async_event, rr::block_slot_storage>,
+             rr::RoutingReplay<rr_test::faulty_backend<rr::cuda_backend>, std::int16_t, rr::layer_major,
+                               rr::device_scatter<2>, rr::block_slot_storage>>);
 
 int main(int argc, char** argv)
 {

@@ -73,6 +73,7 @@ class dp_driver {
       span_host_[0] = {first, own.plan.num_rows()};
       own.plan.set_padded_rows(own.plan.num_rows());  // the replay writes exactly this rank's rows
       lib_.begin_step(own.plan, s);
+      model_.begin_step(own.plan);  // its fresh blocks
       backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host), io_.meta_host.size() * sizeof(row_meta), s);
       backend::copy_async(backend::data(span_dev_), backend::data(span_host_), sizeof(routing_replay::row_span), s);
       replay(s);

@@ -14,6 +14,7 @@
 #include <deque>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,10 @@ struct sim_config {
   double p_skip                    = 0.25;  ///< per step: tokens of a request that did not opt in
   double p_string_id               = 0.4;   ///< a request is named by a string
   bool random_eviction             = false; ///< allocate any free block, not the least recent
+  std::int64_t prompt_extra        = 40;    ///< prompt tokens past the family prefix: up to this
+  std::int64_t max_output          = 24;    ///< output tokens: 2 to this
+  bool endless                     = false; ///< finished and aborted requests come back as new
+                                            ///< ones (new ids): a soak never runs out of work
 };
 
 /// @brief The schedule mix of a seed: seeds divisible by 4 run a small, contended KV pool with
@@ -58,6 +63,7 @@ struct sim_request {
   enum class state { pending, waiting, running, finished, aborted };
 
   std::int32_t number = 0;  ///< the `request` of the synthetic router
+  std::int32_t incarnation = 0;  ///< endless runs: how often this entry came back as a new request
   bool named          = false;
   std::string name;
   std::int32_t family       = 0;
@@ -73,7 +79,7 @@ struct sim_request {
   [[nodiscard]] routing_replay::request_key key() const
   {
     return named ? routing_replay::request_key{name}
-                 : routing_replay::request_key{std::int64_t{number} * 1000 + 7};
+                 : routing_replay::request_key{(std::int64_t{incarnation} * 1'000'000 + number) * 1000 + 7};
   }
 };
 
@@ -107,22 +113,14 @@ class engine_sim {
     for (std::int64_t b = 0; b < cfg_.num_blocks; ++b) {
       free_.push_back(b);
     }
-    std::vector<std::int64_t> family_prefix;
     for (std::int32_t f = 0; f < cfg_.families; ++f) {
-      family_prefix.push_back(uniform(cfg_.block_size, 3 * cfg_.block_size + 2));
+      family_prefix_.push_back(uniform(cfg_.block_size, 3 * cfg_.block_size + 2));
     }
     for (std::int32_t i = 0; i < cfg_.num_requests; ++i) {
       sim_request r;
-      r.number       = i;
-      r.named        = chance(cfg_.p_string_id);
-      r.name         = "req-" + std::to_string(i) + "-" + std::to_string(seed);
-      r.family       = static_cast<std::int32_t>(uniform(0, cfg_.families - 1));
-      r.shared_len   = family_prefix[static_cast<std::size_t>(r.family)];
-      // some prompts are exactly the shared prefix: a full prefix hit then recomputes the last
-      // prompt token into a block another request filled
-      r.prompt_len   = r.shared_len + (chance(0.2) ? 0 : uniform(1, 40));
-      r.total_len    = std::min<std::int64_t>(r.prompt_len + uniform(2, 24), cfg_.max_model_len);
-      r.arrival_step = uniform(0, 25);
+      r.number = i;
+      r.name   = "req-" + std::to_string(i) + "-" + std::to_string(seed);
+      draw(r, 0);
       requests_.push_back(r);
     }
   }
@@ -158,6 +156,7 @@ class engine_sim {
   {
     ++step_index_;
     step s;
+    if (cfg_.endless) { reincarnate_gone(); }
     for (auto& r : requests_) {
       if (r.st == sim_request::state::pending && r.arrival_step <= step_index_) {
         r.st = sim_request::state::waiting;
@@ -170,6 +169,7 @@ class engine_sim {
     }
 
     std::int64_t budget = cfg_.max_tokens_per_step;
+    std::set<std::int64_t> step_slots;  // a KV slot is written once per step
     for (const std::int32_t number : running_) {
       auto& r = requests_[static_cast<std::size_t>(number)];
       std::int64_t n = 0;
@@ -185,6 +185,12 @@ class engine_sim {
         if (n > budget) { continue; }
       }
       if (n <= 0 || !ensure_blocks(r, r.computed + n, s)) { continue; }
+      // two requests whose prompts are the same fully cached blocks both recompute their last
+      // prompt token into the same shared slot: the second waits for the next step
+      bool collides = false;
+      for (std::int64_t p = r.computed; p < r.computed + n; ++p) { collides |= step_slots.count(slot_of(r, p)) != 0; }
+      if (collides) { continue; }
+      for (std::int64_t p = r.computed; p < r.computed + n; ++p) { step_slots.insert(slot_of(r, p)); }
       if (chance(cfg_.p_skip) && budget - n >= 3) {
         const auto k = static_cast<std::int32_t>(uniform(1, 3));
         s.plan.skip(k);
@@ -285,6 +291,35 @@ class engine_sim {
     std::pair<std::int64_t, std::int64_t> content{};
   };
 
+  // A new request's prompt, output length, family and arrival (after `first_arrival`).
+  void draw(sim_request& r, std::int64_t first_arrival)
+  {
+    r.named      = chance(cfg_.p_string_id);
+    r.family     = static_cast<std::int32_t>(uniform(0, cfg_.families - 1));
+    r.shared_len = family_prefix_[static_cast<std::size_t>(r.family)];
+    // some prompts are exactly the shared prefix: a full prefix hit then recomputes the last
+    // prompt token into a block another request filled
+    r.prompt_len   = r.shared_len + (chance(0.2) ? 0 : uniform(1, cfg_.prompt_extra));
+    r.total_len    = std::min<std::int64_t>(r.prompt_len + uniform(2, cfg_.max_output), cfg_.max_model_len);
+    r.arrival_step = first_arrival + uniform(0, 25);
+  }
+
+  // Endless runs: entries whose request finished or was aborted (the caller has released it by
+  // now) come back as a new request with a new id, so the table, and the simulator's memory, stay
+  // the same size however long the run.
+  void reincarnate_gone()
+  {
+    for (auto& r : requests_) {
+      if (r.st != sim_request::state::finished && r.st != sim_request::state::aborted) { continue; }
+      ++r.incarnation;
+      r.name  = "req-" + std::to_string(r.number) + "-" + std::to_string(r.incarnation) + "-soak";
+      r.st    = sim_request::state::pending;
+      r.added = false;
+      r.computed = 0;
+      draw(r, step_index_);
+    }
+  }
+
   [[nodiscard]] std::pair<std::int64_t, std::int64_t> content_of(const sim_request& r,
                                                                  std::int64_t block) const
   {
@@ -374,6 +409,7 @@ class engine_sim {
   sim_config cfg_;
   std::mt19937_64 rng_;
   std::vector<sim_request> requests_;
+  std::vector<std::int64_t> family_prefix_;  ///< shared prompt prefix length of each family
   std::vector<kv_block> kv_;
   std::deque<std::int64_t> free_;
   std::map<std::pair<std::int64_t, std::int64_t>, std::int64_t> cache_;

@@ -181,9 +181,21 @@ class replay_harness {
   /// @brief Steps the engine until every request is done (or `max_steps`), checking as it goes.
   void run(std::int32_t max_steps = 400)
   {
-    for (std::int32_t step = 0; step < max_steps && !engine_.done(); ++step) {
-      one_step();
-    }
+    run_steps(max_steps);
+    finish();
+  }
+
+  /// @brief Up to `steps` more steps (fewer if every request is done); returns how many ran.
+  std::int64_t run_steps(std::int64_t steps)
+  {
+    std::int64_t ran = 0;
+    for (; ran < steps && !engine_.done(); ++ran) { one_step(); }
+    return ran;
+  }
+
+  /// @brief Aborts what is still live and checks that nothing is left.
+  void finish()
+  {
     for (const std::int32_t number : engine_.abort_all()) {
       const auto key = engine_.requests()[static_cast<std::size_t>(number)].key();
       lib_.abort(key);
@@ -263,6 +275,7 @@ class replay_harness {
     }
     auto s = stream_ref();
     lib_.begin_step(step.plan, s);
+    model_.begin_step(step.plan);
     ++serial_;
     backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host),
                         static_cast<std::size_t>(padded) * sizeof(row_meta), s);

@@ -159,6 +159,7 @@ class rank_driver {
     filing.planned(step.plan);
     auto s = io_.stream.ref();
     replay_.begin_step(step.plan, s);
+    if (host != nullptr) { model_->begin_step(step.plan); }  // its fresh blocks
     ++serial_;
     backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host), static_cast<std::size_t>(rows) * sizeof(row_meta), s);
     for (std::int32_t l = 0; l < num_slots_; ++l) { forward_layer(first_slot_ + l, rows); }

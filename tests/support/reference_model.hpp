@@ -63,11 +63,15 @@ class reference_model {
     r.recorded = std::max(r.recorded, static_cast<std::int64_t>(cached.size()));
   }
 
-  /// @brief Files a step whose rows are `expected(plan_row)`.
+  /// @brief A step begins: the blocks it declares fresh belong to the engine from now on, whether
+  /// or not the step's rows are ever filed (the library applies them in begin_step).
+  void begin_step(const routing_replay::step_plan& plan) { refresh(plan.fresh_blocks()); }
+
+  /// @brief Files a step, after its begin_step, whose rows are `expected(plan_row)`. A step the
+  /// library discards is simply never filed.
   void file_step(const routing_replay::step_plan& plan, std::uint64_t serial,
                  const std::function<row(std::int64_t)>& expected)
   {
-    refresh(plan.fresh_blocks());
     for (const auto& e : plan.entries()) {
       if (e.skipped) { continue; }
       auto& r               = requests_.at(e.request.id.to_string());
@@ -95,9 +99,6 @@ class reference_model {
     }
   }
 
-  /// @brief A step the library refused: only its block allocation happened.
-  void discard_step(const routing_replay::step_plan& plan) { refresh(plan.fresh_blocks()); }
-
   void accept_draft(routing_replay::request_key id, std::int32_t accepted)
   {
     auto& r = requests_.at(id.to_string());
@@ -119,6 +120,40 @@ class reference_model {
   [[nodiscard]] std::int64_t prompt_length(routing_replay::request_key id) const
   {
     return requests_.at(id.to_string()).prompt_length;
+  }
+
+  /// @brief Block-slot storage: the rows of whole blocks, block after block, as export_blocks()
+  /// returns them (the sentinel where a slot holds no row of its block's current generation).
+  [[nodiscard]] std::vector<Index> export_blocks(std::span<const std::int64_t> blocks) const
+  {
+    std::vector<Index> out;
+    for (const std::int64_t b : blocks) {
+      for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot) {
+        if (const auto it = slot_rows_.find(slot); it != slot_rows_.end()) {
+          out.insert(out.end(), it->second.begin(), it->second.end());
+        } else {
+          out.insert(out.end(), static_cast<std::size_t>(row_size_), routing_replay::index_traits<Index>::sentinel);
+        }
+      }
+    }
+    return out;
+  }
+
+  /// @brief Block-slot storage: the blocks become fresh, then take the given rows in order (a row
+  /// whose first id is the sentinel holds nothing; a block listed twice keeps its last rows).
+  void import_blocks(std::span<const std::int64_t> blocks, std::span<const Index> rows)
+  {
+    refresh(blocks);
+    auto at = rows.begin();
+    for (const std::int64_t b : blocks) {
+      for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, at += row_size_) {
+        if (*at != routing_replay::index_traits<Index>::sentinel) {
+          slot_rows_[slot] = row(at, at + row_size_);
+        } else {
+          slot_rows_.erase(slot);
+        }
+      }
+    }
   }
 
   /// @brief Rows [begin, end) flattened, sentinel where missing.

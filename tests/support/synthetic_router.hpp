@@ -33,6 +33,16 @@ ROUTING_REPLAY_HOST_DEVICE inline std::int64_t routed_expert(const row_meta& m,
   return static_cast<std::int64_t>(x % static_cast<std::uint64_t>(num_experts));
 }
 
+/// @brief The id a write puts at (row, column): the router's pick, or `bad_value` at the write's one
+/// bad cell (`bad_cell` is row * K + column; -1: none), as a faulty router or kernel would.
+ROUTING_REPLAY_HOST_DEVICE inline std::int64_t routed_or_bad(const row_meta& m, std::int32_t layer, std::int64_t row,
+                                                             std::int32_t column, std::int32_t top_k,
+                                                             std::int64_t num_experts, std::int64_t bad_cell,
+                                                             std::int64_t bad_value) noexcept
+{
+  return row * top_k + column == bad_cell ? bad_value : routed_expert(m, layer, column, num_experts);
+}
+
 /// @brief Path (a): writes a router output [rows, stride] of `Source`, as torch.topk would; the
 /// columns past K (fused shared experts) hold an invalid id that capture() must skip.
 template <class Source>
@@ -43,13 +53,16 @@ struct write_router_output {
   std::int32_t top_k;
   std::int32_t layer;
   std::int64_t num_experts;
+  std::int64_t bad_cell  = -1;  ///< see routed_or_bad
+  std::int64_t bad_value = 0;
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
   {
     const std::int64_t row    = i / stride;
     const auto column         = static_cast<std::int32_t>(i % stride);
-    out[i] = static_cast<Source>(column < top_k ? routed_expert(meta[row], layer, column, num_experts)
-                                                : num_experts + 3);
+    out[i] = static_cast<Source>(
+      column < top_k ? routed_or_bad(meta[row], layer, row, column, top_k, num_experts, bad_cell, bad_value)
+                     : num_experts + 3);
   }
 };
 
@@ -61,17 +74,21 @@ struct write_layer_view {
   std::int32_t top_k;
   std::int32_t layer;
   std::int64_t num_experts;
+  std::int64_t bad_cell  = -1;  ///< see routed_or_bad
+  std::int64_t bad_value = 0;
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
   {
     const std::int64_t row = i / top_k;
     const auto column      = static_cast<std::int32_t>(i % top_k);
-    view(row, column) =
-      static_cast<typename View::value_type>(routed_expert(meta[row], layer, column, num_experts));
+    view(row, column)      = static_cast<typename View::value_type>(
+      routed_or_bad(meta[row], layer, row, column, top_k, num_experts, bad_cell, bad_value));
   }
 };
 
-/// @brief Path (c): an engine's own top-k kernel recording through the device reference.
+/// @brief Path (c): an engine's own top-k kernel recording through the device reference (one
+/// thread per (row, column) it is launched for: launched for more rows than the reference covers,
+/// it records past it).
 template <class Ref>
 struct record_through_ref {
   const row_meta* meta;
@@ -79,13 +96,16 @@ struct record_through_ref {
   std::int32_t top_k;
   std::int32_t layer;
   std::int64_t num_experts;
-  std::int32_t slot = -1;  ///< the layer slot recorded into, when it is not `layer` (a pipeline stage's D)
+  std::int32_t slot      = -1;  ///< the layer slot recorded into, when it is not `layer` (a pipeline stage's D)
+  std::int64_t bad_cell  = -1;  ///< see routed_or_bad
+  std::int64_t bad_value = 0;
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
   {
     const auto row    = static_cast<std::int32_t>(i / top_k);
     const auto column = static_cast<std::int32_t>(i % top_k);
-    ref.record(slot < 0 ? layer : slot, row, column, routed_expert(meta[row], layer, column, num_experts));
+    ref.record(slot < 0 ? layer : slot, row, column,
+               routed_or_bad(meta[row], layer, row, column, top_k, num_experts, bad_cell, bad_value));
   }
 };
 

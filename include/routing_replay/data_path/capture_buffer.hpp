@@ -182,8 +182,9 @@ class capture_buffer {
   {
     in_step_                      = false;
     const std::int64_t replayed   = padded_rows >= 0 ? padded_rows : rows_outside_steps_;
-    const std::int64_t reset_rows = std::max({num_rows, rows_this_step_, replayed});
-    if (reset_rows <= 0) { return; }
+    // a step without rows still runs the kernel (one block): its thread 0 moves what the capture
+    // paths reported during the step into the step's status
+    const std::int64_t reset_rows = std::max({num_rows, rows_this_step_, replayed, std::int64_t{0}});
     // cells of K ids move as the widest word that divides them
     const std::size_t cell_bytes = static_cast<std::size_t>(top_k_) * sizeof(Index);
     try {
@@ -240,7 +241,8 @@ class capture_buffer {
                                                            static_cast<std::int32_t>(num_rows),
                                                            static_cast<std::int32_t>(reset_rows),
                                                            grouped};
-    Backend::launch_async(detail::blocks_for(kernel.num_items()), detail::kernel_block_threads, kernel, compute);
+    Backend::launch_async(std::max(1, detail::blocks_for(kernel.num_items())), detail::kernel_block_threads, kernel,
+                          compute);
   }
 
   void check_rows_argument(std::int64_t num_rows, const char* what) const

@@ -82,9 +82,14 @@ class host_side {
     [[maybe_unused]] const auto inside = threads_.enter("add_request");
     filer_.check_cached_prefix(id, options.cached_slots);
     const std::uint32_t h = requests_.add(id);  // throws duplicate_request
-    filer_.store().open(h);
+    try {
+      filer_.store().open(h);
+      filer_.bind_cached_prefix(h, options.cached_slots, requests_, planner_.latest_serial());
+    } catch (...) {  // the store refused memory: the request was never added
+      requests_.remove(h);  // never allocates
+      throw;
+    }
     requests_[h].prompt_length = options.prompt_length;
-    filer_.bind_cached_prefix(h, options.cached_slots, requests_, planner_.latest_serial());
   }
 
   /// @brief A live request (re)starts with positions [0, cached_slots.size()) served from the

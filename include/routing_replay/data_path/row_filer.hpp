@@ -138,9 +138,11 @@ class row_filer {
   /// @brief Claims the rows of one scheduled request of `step` and hands each claimed one to
   /// `place(claim, row)`. A row goes where the store says (first write wins unless rows of
   /// recomputed positions overwrite); a tentative draft row yields to any later write of its
-  /// position; rows of drafts already rejected are skipped.
+  /// position; rows of drafts already rejected are skipped. `taken` (claims when planned) collects
+  /// the draft rows taken over, for a discard to give back.
   template <class Place>
-  void claim_run(const step_run& run, request_state& r, const step_record<Index>& step, Place&& place)
+  void claim_run(const step_run& run, request_state& r, const step_record<Index>& step, Place&& place,
+                 std::vector<taken_draft>* taken_drafts = nullptr)
   {
     draft_group* group = nullptr;
     if (run.num_draft > 0) {
@@ -158,7 +160,7 @@ class row_filer {
       const bool draft            = d >= 0 && group != nullptr;
       if (draft && group->accepted >= 0 && d >= group->accepted) { continue; }  // already rejected
       const bool tentative = draft && group->accepted < 0;
-      const bool taken     = take_over_draft(r, position);  // always: ownership must move
+      const bool taken     = take_over_draft(r, run.handle, position, taken_drafts);  // always: ownership must move
       const auto c         = store_.claim(run.handle, position, slot, planned, step.serial, taken || overwrite_);
       if (c.dst != nullptr) {
         place(c, run.first_row + i);
@@ -183,14 +185,23 @@ class row_filer {
     for (auto& run : step.runs) {
       auto& r             = requests[run.handle];
       run.recorded_before = r.recorded_rows;
-      claim_run(run, r, step, [&](detail::row_claim<Index> c, std::int64_t row) {
-        std::int64_t src = row * row_elems_;
-        store_.device_pieces(run.handle, c.dst, row_elems_, [&](Index* dst, std::int64_t elems) {
-          add_piece(step.ops, {dst, c.copy_from, src, elems});
-          src += elems;
-          if (c.copy_from != nullptr) { c.copy_from += elems; }
-        });
-      });
+      claim_run(
+        run, r, step,
+        [&](detail::row_claim<Index> c, std::int64_t row) {
+          const bool replaces = c.replaced != detail::row_claim<Index>::no_claim;
+          if (replaces) {
+            const std::int64_t i    = row - run.first_row;
+            const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
+            step.replaced.push_back({run.handle, run.first_position + i, slot, c.replaced});  // reserved
+          }
+          std::int64_t src = row * row_elems_;
+          store_.device_pieces(run.handle, c.dst, row_elems_, [&](Index* dst, std::int64_t elems) {
+            add_piece(step.ops, {dst, c.copy_from, src, elems, replaces});
+            src += elems;
+            if (c.copy_from != nullptr) { c.copy_from += elems; }
+          });
+        },
+        &step.taken);
       run.recorded_after = r.recorded_rows;
     }
   }
@@ -241,7 +252,9 @@ class row_filer {
   /// @brief A step whose rows will never be filed. Its draft groups go; rows claimed when it began
   /// are unclaimed and the rows counted are undone, so a recompute of those positions records them
   /// again. Where the host places rows, the claimed rows get the sentinel: a later step may already
-  /// be planned to copy one elsewhere (a position following it), and must copy the sentinel.
+  /// be planned to copy one elsewhere (a position following it), and must copy the sentinel. Rows
+  /// the step would have replaced (a row already there it re-claimed) stay, claimed as before, and
+  /// tentative draft rows it took over go back to their draft groups (design.md 5.3).
   void discard(const step_record<Index>& step, request_registry& requests)
   {
     for (const auto& run : step.runs) {
@@ -251,16 +264,24 @@ class row_filer {
     }
     if constexpr (claims_when_planned) {
       if constexpr (Site == scatter_site::host) {
-        for (const auto& op : step.ops) { std::fill_n(op.dst, op.elems, traits::sentinel); }
+        for (const auto& op : step.ops) {
+          if (!op.replaces) { std::fill_n(op.dst, op.elems, traits::sentinel); }
+        }
+      }
+      for (const auto& run : step.runs) {
+        auto& r = requests[run.handle];
+        if (r.generation == run.generation && r.recorded_rows == run.recorded_after) {
+          r.recorded_rows = run.recorded_before;
+        }
+      }
+      give_back_drafts(step, requests);
+      for (const auto& c : step.replaced) {
+        if (keeps_row(step, c, requests)) { store_.restore_claim(c.handle, c.position, c.slot, step.serial, c.prior); }
       }
       for (const auto& run : step.runs) {
         for (std::int32_t i = 0; i < run.num_tokens; ++i) {
           const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
           store_.unclaim(run.handle, run.first_position + i, slot, step.serial);
-        }
-        auto& r = requests[run.handle];
-        if (r.generation == run.generation && r.recorded_rows == run.recorded_after) {
-          r.recorded_rows = run.recorded_before;
         }
       }
     }
@@ -344,7 +365,7 @@ class row_filer {
     if (!ops.empty()) {
       auto& last = ops.back();
       const bool continues =
-        last.dst + last.elems == op.dst && last.elems + op.elems <= detail::max_piece_elems &&
+        last.dst + last.elems == op.dst && last.elems + op.elems <= detail::max_piece_elems && last.replaces == op.replaces &&
         (op.copy_from == nullptr ? last.copy_from == nullptr && last.src + last.elems == op.src
                                  : last.copy_from != nullptr && last.copy_from + last.elems == op.copy_from);
       if (continues) {
@@ -353,7 +374,7 @@ class row_filer {
       }
     }
     while (op.elems > detail::max_piece_elems) {
-      ops.push_back({op.dst, op.copy_from, op.src, detail::max_piece_elems});
+      ops.push_back({op.dst, op.copy_from, op.src, detail::max_piece_elems, op.replaces});
       op.dst += detail::max_piece_elems;
       op.src += detail::max_piece_elems;
       if (op.copy_from != nullptr) { op.copy_from += detail::max_piece_elems; }
@@ -362,17 +383,46 @@ class row_filer {
     ops.push_back(op);
   }
 
-  // A tentative draft row yields to any later write of its position.
-  static bool take_over_draft(request_state& r, std::int64_t position) noexcept
+  // A tentative draft row yields to any later write of its position (recorded in `taken`, whose
+  // room was reserved, when given).
+  static bool take_over_draft(request_state& r, std::uint32_t h, std::int64_t position,
+                              std::vector<taken_draft>* taken_drafts) noexcept
   {
     bool taken = false;
     for (auto& g : r.drafts) {
       if (g.filed && g.accepted < 0 && g.owns(position)) {
         g.owned &= ~(1u << (position - g.first_position));
         taken = true;
+        if (taken_drafts != nullptr) { taken_drafts->push_back({h, g.step_serial, position}); }
       }
     }
     return taken;
+  }
+
+  // A discarded step gives the tentative draft rows it took over back to their draft groups, where
+  // these are still pending.
+  static void give_back_drafts(const step_record<Index>& step, request_registry& requests) noexcept
+  {
+    for (const auto& t : step.taken) {
+      for (auto& g : requests[t.handle].drafts) {
+        if (g.step_serial == t.group_step && g.accepted < 0) { g.owned |= 1u << (t.position - g.first_position); }
+      }
+    }
+  }
+
+  // Whether the row a discarded step re-claimed at `c` stays: yes, unless it is a tentative draft row
+  // the step took over whose group was resolved meanwhile: then only if its position is committed.
+  static bool keeps_row(const step_record<Index>& step, const replaced_claim& c, request_registry& requests) noexcept
+  {
+    for (const auto& t : step.taken) {
+      if (t.handle != c.handle || t.position != c.position) { continue; }
+      const auto& r = requests[t.handle];
+      for (const auto& g : r.drafts) {
+        if (g.step_serial == t.group_step && g.accepted < 0) { return true; }
+      }
+      return t.position < r.recorded_rows;
+    }
+    return true;
   }
 
   layer_map layers_;

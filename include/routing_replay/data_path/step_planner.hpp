@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -137,6 +138,8 @@ class step_planner {
     out.slots.clear();
     out.generations.clear();
     out.ops.clear();
+    out.replaced.clear();
+    out.taken.clear();
     out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());
     store.refresh_blocks(out.fresh_blocks);
     auto handle = handles_.begin();
@@ -186,7 +189,11 @@ class step_planner {
       record_.slots.reserve(tokens);
       record_.generations.reserve(tokens);
     }
-    if constexpr (Filer::claims_when_planned) { filer.reserve_pieces(record_, plan.num_rows()); }
+    if constexpr (Filer::claims_when_planned) {
+      filer.reserve_pieces(record_, plan.num_rows());
+      record_.replaced.reserve(tokens);
+      record_.taken.reserve(tokens);
+    }
     grew_.resize(std::max(grew_.size(), handles_.size()));
     std::size_t i = 0;
     for (const auto& entry : plan.entries()) {
@@ -198,11 +205,15 @@ class step_planner {
 
   void check_request(const scheduled_request& s) const
   {
-    if (s.first_position < 0 || s.first_position + s.num_tokens > max_model_len_) {
+    // num_tokens >= 0 here: the subtraction cannot overflow, where first_position + num_tokens can
+    if (s.first_position < 0 || s.first_position > max_model_len_ - s.num_tokens) {
+      const std::int64_t end = s.first_position > std::numeric_limits<std::int64_t>::max() - s.num_tokens
+                                 ? std::numeric_limits<std::int64_t>::max()
+                                 : s.first_position + s.num_tokens;
       throw error{errc::position_out_of_range,
                   "request " + s.id.to_string() + ": positions [" + std::to_string(s.first_position) + ", " +
-                    std::to_string(s.first_position + s.num_tokens) + ") are outside [0, max_model_len = " +
-                    std::to_string(max_model_len_) + ")"};
+                    std::to_string(end) + ") are outside [0, max_model_len = " + std::to_string(max_model_len_) +
+                    ")"};
     }
     if (s.num_draft_tokens < 0 || s.num_draft_tokens > s.num_tokens || s.num_draft_tokens > max_draft_tokens) {
       throw error{errc::invalid_plan, "request " + s.id.to_string() + ": " + std::to_string(s.num_draft_tokens) +

@@ -24,6 +24,23 @@ struct step_run {
   std::int64_t recorded_after  = 0;  ///< ... and after it (a discard restores T if unchanged)
 };
 
+/// @brief A row a step re-claimed (claims when planned): the claim it took over, given back if the
+/// step is discarded.
+struct replaced_claim {
+  std::uint32_t handle;   ///< request handle
+  std::int64_t position;  ///< the row's position
+  std::int64_t slot;      ///< its slot (-1 without slots)
+  std::uint64_t prior;    ///< the step whose claim was taken over
+};
+
+/// @brief A tentative draft row a step took over (claims when planned): ownership goes back to the
+/// draft group if the step is discarded.
+struct taken_draft {
+  std::uint32_t handle;       ///< request handle
+  std::uint64_t group_step;   ///< the draft group's step
+  std::int64_t position;      ///< the row's position
+};
+
 /// @brief Everything filing needs, copied out of the step_plan when the step begins. Records are
 /// recycled (swapped between the planner and the copy pipeline's ring), so steady-state steps
 /// allocate nothing.
@@ -37,6 +54,8 @@ struct step_record {
   std::vector<std::uint32_t> generations;         ///< generation of each slot's block when planned
   std::vector<std::int64_t> fresh_blocks;         ///< blocks declared fresh
   std::vector<detail::scatter_op<Index>> ops;     ///< claims when planned: every claimed row's place
+  std::vector<replaced_claim> replaced;           ///< claims when planned: rows re-claimed
+  std::vector<taken_draft> taken;                 ///< claims when planned: draft rows taken over
 };
 
 }  // namespace routing_replay

@@ -242,11 +242,22 @@ class block_slot_store {
     const slot_ref prior = at;
     at                   = slot_ref{slot, planned};
     if (generation_of(slot) != planned) { return {}; }
-    if (!replace && claimed_in_[static_cast<std::size_t>(slot)] == planned) { return {}; }
-    claimed_in_[static_cast<std::size_t>(slot)]      = planned;
-    claimed_by_step_[static_cast<std::size_t>(slot)] = step;
+    const auto s      = static_cast<std::size_t>(slot);
+    const bool held   = claimed_in_[s] == planned;
+    if (!replace && held) { return {}; }
+    const std::uint64_t replaced = held ? claimed_by_step_[s] : row_claim<Index>::no_claim;
+    claimed_in_[s]               = planned;
+    claimed_by_step_[s]          = step;
     if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
-    return {row_at(slot), nullptr};
+    return {row_at(slot), nullptr, replaced};
+  }
+
+  /// @brief A discarded step `serial` gives back its claim of `slot`, which replaced the claim of
+  /// step `prior` (row_claim::replaced): the row there is `prior`'s again.
+  void restore_claim(std::uint32_t, std::int64_t, std::int64_t slot, std::uint64_t serial, std::uint64_t prior) noexcept
+  {
+    const auto at = static_cast<std::size_t>(slot);
+    if (claimed_by_step_[at] == serial && claimed_in_[at] == generation_of(slot)) { claimed_by_step_[at] = prior; }
   }
 
   /// @brief Every step up to `serial` has been filed: rows they claimed have arrived. Rows of later

@@ -9,11 +9,13 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace routing_replay::detail {
 
@@ -28,17 +30,55 @@ inline void throw_if_failed(const task_failure& failure)
   if (failure) { throw error{errc::backend_error, *failure}; }
 }
 
+class host_queue;
+
+/// @brief Every live host_queue: freeing "device" memory waits for all of them
+/// (wait_for_all_queues()), as cudaFree and cudaFreeHost synchronize the device.
+class queue_registry {
+ public:
+  /// @brief The process's registry.
+  static queue_registry& get()
+  {
+    static queue_registry registry;
+    return registry;
+  }
+  /// @brief Adds a queue.
+  void add(host_queue* q)
+  {
+    std::lock_guard lock{mutex_};
+    queues_.push_back(q);
+  }
+  /// @brief Removes a queue.
+  void remove(host_queue* q) noexcept
+  {
+    std::lock_guard lock{mutex_};
+    std::erase(queues_, q);
+  }
+  /// @brief Calls `f(queue)` for every live queue, none of which goes meanwhile.
+  template <class F>
+  void for_each(F&& f)
+  {
+    std::lock_guard lock{mutex_};
+    for (host_queue* q : queues_) { f(*q); }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<host_queue*> queues_;
+};
+
 /// @brief A thread that runs enqueued tasks one at a time, in order: the host analogue of a
 /// CUDA stream. Work really runs asynchronously to the caller, so ordering bugs show up here.
 class host_queue {
  public:
-  host_queue() : worker_([this] { run(); }) {}
+  host_queue() : worker_([this] { run(); }) { queue_registry::get().add(this); }
 
   host_queue(const host_queue&)            = delete;
   host_queue& operator=(const host_queue&) = delete;
 
   ~host_queue()
   {
+    queue_registry::get().remove(this);
     {
       std::lock_guard lock{mutex_};
       stopping_ = true;
@@ -66,6 +106,17 @@ class host_queue {
     const std::uint64_t target = enqueued_;
     idle_.wait(lock, [&] { return completed_ >= target; });
     throw_if_failed(std::exchange(failure_, std::nullopt));
+  }
+
+  /// @brief Blocks until every task enqueued so far has run, leaving any failure to be reported
+  /// where it is waited for. Returns at once on the queue's own worker (a task cannot wait for
+  /// itself).
+  void wait_idle() noexcept
+  {
+    if (std::this_thread::get_id() == worker_.get_id()) { return; }
+    std::unique_lock lock{mutex_};
+    const std::uint64_t target = enqueued_;
+    idle_.wait(lock, [&] { return completed_ >= target; });
   }
 
   /// @brief Takes the first task failure not yet reported (called from the worker by an event's
@@ -110,6 +161,40 @@ class host_queue {
   task_failure failure_;
   bool stopping_ = false;
   std::thread worker_;  // last: starts after every other member is constructed
+};
+
+/// @brief Waits for every host queue to run what was enqueued on it so far: the host analogue of the
+/// device synchronization that cudaFree performs.
+inline void wait_for_all_queues() noexcept
+{
+  queue_registry::get().for_each([](host_queue& q) { q.wait_idle(); });
+}
+
+/// @brief The allocator of the host backend's "device" and pinned memory: deallocation first waits
+/// for every host queue, as cudaFree and cudaFreeHost synchronize the device, so memory that queued
+/// work may still touch (an engine's capture into D, a step's copy) is never freed under it.
+template <class T>
+struct stream_ordered_allocator : std::allocator<T> {
+  using value_type = T;  ///< the element type
+  /// @brief The same allocator for another type.
+  template <class U>
+  struct rebind {
+    using other = stream_ordered_allocator<U>;  ///< the rebound allocator
+  };
+  stream_ordered_allocator() = default;
+  /// @brief Rebinding copy.
+  template <class U>
+  stream_ordered_allocator(const stream_ordered_allocator<U>&) noexcept  // NOLINT: implicit, as allocators are
+  {
+  }
+  /// @brief Waits for every host queue, then frees.
+  void deallocate(T* p, std::size_t n)
+  {
+    wait_for_all_queues();
+    std::allocator<T>::deallocate(p, n);
+  }
+  /// @brief Every instance frees what any other allocated.
+  friend bool operator==(const stream_ordered_allocator&, const stream_ordered_allocator&) noexcept { return true; }
 };
 
 /// @brief A completion flag with CUDA event semantics: record() marks a point in a queue, and

@@ -184,7 +184,7 @@ struct harvest_rows {
 /// @brief Device scatter, in one kernel on the copy stream: block b writes piece b of the step
 /// straight to its place in mapped host storage (the step's rows from the snapshot, or an earlier
 /// row that follows its position), or the sentinel instead when the step's status is not clean (the
-/// step is discarded as a whole). The last block to finish publishes the status to pinned memory
+/// step is discarded as a whole; rows it would have replaced stay). The last block to finish publishes the status to pinned memory
 /// for the host and zeroes it for the slot's next step, so the step needs no other copy.
 template <class Index>
 struct scatter_rows {
@@ -202,6 +202,7 @@ struct scatter_rows {
     const scatter_op<Index> op = ops[block];  // one request per warp: every lane reads the same piece
     const Index* from          = op.copy_from != nullptr ? op.copy_from : snapshot + op.src;
     const bool clean           = status->clean();
+    if (!clean && op.replaces) { return; }  // a discarded step leaves the rows it would have replaced
     const auto bytes           = static_cast<std::size_t>(op.elems) * sizeof(Index);
     const auto aligned         = reinterpret_cast<std::uintptr_t>(op.dst) | reinterpret_cast<std::uintptr_t>(from) | bytes;
     if (aligned % sizeof(word16) == 0) {

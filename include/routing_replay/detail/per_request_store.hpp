@@ -105,17 +105,22 @@ class per_request_store {
 
   /// @brief Frees the rows of `h`: its range is parked for a later request, or its segments go back
   /// to the arena (those a kernel may still write, claimed by a step not yet filed, once that step
-  /// has been).
+  /// has been). Strong: a failure changes nothing.
+  /// @throws error host_memory_exhausted if the system refuses to unmap; std::bad_alloc
   void close(std::uint32_t h)
   {
     auto& r = rows_[h];
-    if (r.capacity > 0 && parked_.size() < max_parked) {
+    if (r.capacity > 0 && parked_.size() < max_parked) {  // room reserved: nothing allocates
       parked_.push_back({r.view, r.capacity, std::move(r.segments), r.last_claim});
       parked_bytes_ += r.capacity;
       r = request_rows{};  // the handle takes a bare range at its next open()
       return;
     }
-    // back to a bare reservation first: if that fails, nothing has changed
+    // room for every segment in the pending list, then back to a bare reservation: if either
+    // fails, nothing has changed, and nothing after them allocates (arena releases never do)
+    if (pending_.capacity() < pending_.size() + r.segments.size()) {
+      pending_.reserve(std::max(2 * pending_.capacity(), pending_.size() + r.segments.size()));
+    }
     if (r.capacity > 0 && !unmap(r.view, r.capacity)) { throw_system_error("mmap over a closed request's rows"); }
     for (const auto& s : r.segments) {
       if (r.last_claim > filed_through_) {
@@ -223,12 +228,22 @@ class per_request_store {
                                        std::uint64_t step,
                                        bool replace)
   {
-    auto& r  = rows_[h];
-    auto& by = r.claimed_by[static_cast<std::size_t>(position)];
+    auto& r      = rows_[h];
+    auto& by     = r.claimed_by[static_cast<std::size_t>(position)];
+    r.last_claim = std::max(r.last_claim, step);  // even if the row stays: a step that tried holds the segments
     if (!replace && by != 0) { return {}; }
-    by           = step;
-    r.last_claim = std::max(r.last_claim, step);
-    return {row_at(r, position), nullptr};
+    const std::uint64_t replaced = by != 0 ? by : row_claim<Index>::no_claim;
+    by                           = step;
+    return {row_at(r, position), nullptr, replaced};
+  }
+
+  /// @brief A discarded step `serial` gives back its claim of (`h`, `position`), which replaced the
+  /// claim of step `prior` (row_claim::replaced): the row there is `prior`'s again.
+  void restore_claim(std::uint32_t h, std::int64_t position, std::int64_t, std::uint64_t serial,
+                     std::uint64_t prior) noexcept
+  {
+    auto& by = rows_[h].claimed_by[static_cast<std::size_t>(position)];
+    if (by == serial) { by = prior; }
   }
 
   /// @brief Undoes the claim of (`h`, `position`) if step `serial` made it (a discarded step).

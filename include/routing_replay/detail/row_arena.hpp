@@ -35,6 +35,10 @@ namespace routing_replay::detail {
 /// blocks keep their pages: the next request that takes them maps pages already there, instead of
 /// faulting fresh ones in as it is filled (a page fault of shared memory costs about as much as
 /// filing the page's rows).
+///
+/// release() never allocates (a request's rows are freed by release and abort, which must not fail
+/// half-way): the arena keeps a spare free-list node for every block handed out, made when the block
+/// is allocated.
 template <class RowMemory>
 class row_arena {
  public:
@@ -57,6 +61,9 @@ class row_arena {
       fd_(std::exchange(other.fd_, -1)),
       superblocks_(std::move(other.superblocks_)),
       free_(std::move(other.free_)),
+      spare_(std::move(other.spare_)),
+      nodes_(std::exchange(other.nodes_, 0)),
+      blocks_out_(std::exchange(other.blocks_out_, 0)),
       in_use_(std::exchange(other.in_use_, 0))
   {
   }
@@ -67,6 +74,9 @@ class row_arena {
     std::swap(fd_, other.fd_);
     std::swap(superblocks_, other.superblocks_);
     std::swap(free_, other.free_);
+    std::swap(spare_, other.spare_);
+    std::swap(nodes_, other.nodes_);
+    std::swap(blocks_out_, other.blocks_out_);
     std::swap(in_use_, other.in_use_);
     return *this;
   }
@@ -97,10 +107,14 @@ class row_arena {
     return superblocks_[static_cast<std::size_t>(offset / bytes)] + offset % bytes;
   }
 
-  /// @brief A free block of `order`, splitting a larger one or adding a superblock.
-  /// @throws error host_memory_exhausted if the system refuses memory
+  /// @brief A free block of `order`, splitting a larger one or adding a superblock. Strong: a
+  /// failure changes nothing observable.
+  /// @throws error host_memory_exhausted if the system refuses memory; std::bad_alloc
   [[nodiscard]] block allocate(int order)
   {
+    // every node this call inserts (a superblock, the halves a split keeps), and the one the
+    // block's release will insert, before anything changes
+    reserve_nodes(blocks_out_ + 2 + static_cast<std::size_t>(max_order_));
     int from = order;
     while (from <= max_order_ && free_[static_cast<std::size_t>(from)].empty()) { ++from; }
     if (from > max_order_) {
@@ -109,19 +123,19 @@ class row_arena {
     }
     auto& list                 = free_[static_cast<std::size_t>(from)];
     const std::uint64_t offset = *list.begin();
-    list.erase(list.begin());
-    for (int o = from; o > order; --o) {  // keep the upper halves
-      free_[static_cast<std::size_t>(o - 1)].insert(offset + block_bytes(o - 1));
-    }
+    spare_.push_back(list.extract(list.begin()));
+    for (int o = from; o > order; --o) { insert_free(o - 1, offset + block_bytes(o - 1)); }  // the upper halves
     in_use_ += block_bytes(order);
+    ++blocks_out_;
     return {offset, order};
   }
 
   /// @brief Returns a block (no mapping of it may remain but the arena's own); it merges with its
-  /// free buddies.
+  /// free buddies. Never allocates.
   void release(block b) noexcept
   {
     in_use_ -= block_bytes(b.order);
+    --blocks_out_;
     while (b.order < max_order_) {
       // buddies differ in one bit of the offset counted in units of base (base need not be a
       // power of two; superblocks start at multiples of their size, so a buddy never leaves one)
@@ -129,20 +143,45 @@ class row_arena {
       const std::uint64_t buddy = ((b.offset / base_) ^ (std::uint64_t{1} << b.order)) * base_;
       const auto it             = list.find(buddy);
       if (it == list.end()) { break; }
-      list.erase(it);
+      spare_.push_back(list.extract(it));
       b.offset = std::min(b.offset, buddy);
       ++b.order;
     }
-    free_[static_cast<std::size_t>(b.order)].insert(b.offset);
+    insert_free(b.order, b.offset);
   }
 
  private:
+  using node_type = std::set<std::uint64_t>::node_type;
+
   [[nodiscard]] std::size_t superblock_bytes() const noexcept { return block_bytes(max_order_); }
+
+  // At least `n` spare nodes; spare_ can hold every node there is, so pushing one back never
+  // allocates.
+  void reserve_nodes(std::size_t n)
+  {
+    if (spare_.size() >= n) { return; }
+    spare_.reserve(nodes_ + (n - spare_.size()));
+    while (spare_.size() < n) {
+      std::set<std::uint64_t> one{0};
+      spare_.push_back(one.extract(one.begin()));
+      ++nodes_;
+    }
+  }
+
+  // Puts a free block in its order's list, in a spare node.
+  void insert_free(int order, std::uint64_t offset) noexcept
+  {
+    node_type node = std::move(spare_.back());
+    spare_.pop_back();
+    node.value() = offset;
+    free_[static_cast<std::size_t>(order)].insert(std::move(node));
+  }
 
   void add_superblock()
   {
     const std::size_t bytes = superblock_bytes();
     const auto offset       = static_cast<off_t>(superblocks_.size() * bytes);
+    superblocks_.reserve(superblocks_.size() + 1);
     if (::ftruncate(fd_, offset + static_cast<off_t>(bytes)) != 0) { throw_system_error("ftruncate"); }
     void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, offset);
     if (at == MAP_FAILED) { throw_system_error("mmap of a row superblock"); }
@@ -152,8 +191,8 @@ class row_arena {
       ::munmap(at, bytes);
       throw;
     }
-    superblocks_.push_back(static_cast<std::byte*>(at));
-    free_[static_cast<std::size_t>(max_order_)].insert(static_cast<std::uint64_t>(offset));
+    superblocks_.push_back(static_cast<std::byte*>(at));  // reserved: does not throw
+    insert_free(max_order_, static_cast<std::uint64_t>(offset));
   }
 
   std::size_t base_;
@@ -161,6 +200,9 @@ class row_arena {
   int fd_ = -1;
   std::vector<std::byte*> superblocks_;         // arena address of each superblock
   std::vector<std::set<std::uint64_t>> free_;  // per order: offsets of free blocks
+  std::vector<node_type> spare_;               // free-list nodes not in use (see reserve_nodes)
+  std::size_t nodes_      = 0;                 // nodes made: in free_ or in spare_
+  std::size_t blocks_out_ = 0;                 // blocks handed out and not released
   std::size_t in_use_ = 0;
 };
 

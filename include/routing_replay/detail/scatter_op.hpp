@@ -16,6 +16,7 @@ struct scatter_op {
   const Index* copy_from;  ///< nullptr: the step's ids from `src` on; else these host ids
   std::int64_t src;        ///< first id in the step's token-major [N, L, K] rows
   std::int64_t elems;      ///< ids in the piece
+  bool replaces = false;   ///< dst holds rows this step replaces: a discarded step leaves them
 };
 
 /// @brief The most ids one piece holds, so that a large run spreads over many blocks.
