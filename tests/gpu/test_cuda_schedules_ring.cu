@@ -26,7 +26,9 @@ using scale_types_ring =
              rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::double_buffered<2>,
                                rr::block_slot_storage>,
              rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>,
-                               rr::block_slot_storage>>;
+                               rr::block_slot_storage>,
+             rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>,
+                               rr::per_request_storage>>;
 
 TEST_CASE_TEMPLATE_DEFINE("CUDA at scale (N_max 8192, L 48, K 8): randomized schedules match the reference model (ring strategies)",
                           RR, scale_cuda_ring)
