@@ -15,7 +15,11 @@ status=0
 note() { summary+=("$1"); }
 # Which parts run (comma-separated): tests (GPU and host tests, memcheck, demo), bench (engine
 # loop), micro (Google Benchmark programs), compare (before/after against .baseline), overhead
-# (step time added at realistic step lengths, three rounds, both capture paths; not by default). A lease's
+# (step time added at realistic step lengths, three rounds, both capture paths), sanitize
+# (compute-sanitizer memcheck, racecheck, synccheck, initcheck over the GPU suite, in parallel:
+# about 7 minutes on an H200), soak (the CUDA soak, GPU_CHECK_SOAK_STEPS steps per combination,
+# default 100000: about 2 to 3 minutes per combination, eight combinations); the last three are
+# not run by default. A lease's
 # command may last 10 minutes: split the parts over two calls on a warm machine if needed; the
 # build is reused.
 PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
@@ -175,6 +179,36 @@ for line in sys.stdin: r = json.loads(line); r.update(build="after", round=int(s
   note "overhead (--hidden 4096, 3 rounds): $(wc -l <"$OUT/overhead.jsonl") results -> $OUT/overhead.md"
   mapfile -t lines <"$OUT/overhead.md"
   summary+=("${lines[@]}")
+fi
+
+# compute-sanitizer over the whole GPU suite but two tests (docs/reliability.md 2.4 says why): the
+# scale tests (the schedule tests' code paths at 2000 steps: hours under a sanitizer) and the
+# copy-stream gate (the sanitizer serializes kernels across streams, so the compute stream cannot
+# finish while the copy stream is held shut).
+if want sanitize && command -v compute-sanitizer >/dev/null 2>&1; then
+  excluded='CUDA at scale*,CUDA: with the copy stream shut*'
+  for tool in memcheck racecheck synccheck initcheck; do
+    timeout 1200 compute-sanitizer --tool "$tool" --error-exitcode 3 build/gpu/tests/gpu_tests -tce="$excluded" \
+      >"$OUT/sanitizer_$tool.log" 2>&1 &
+  done
+  wait
+  for tool in memcheck racecheck synccheck initcheck; do
+    verdict=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n1)
+    cases=$(grep -E '^\[doctest\] test cases' "$OUT/sanitizer_$tool.log" | sed 's/\[doctest\] //')
+    note "compute-sanitizer $tool: ${verdict:-no summary (timed out?)} | $cases"
+    grep -qE ' 0 (errors|hazards)' <<<"$verdict" && grep -q '0 failed' <<<"$cases" || status=1
+  done
+fi
+
+# The CUDA soak at N_max 8192, L 48, K 8: every copy strategy with both storages, bit-exact, device
+# and host memory flat (one JSON line per combination in soak.log).
+if want soak; then
+  ROUTING_REPLAY_SOAK_STEPS=${GPU_CHECK_SOAK_STEPS:-100000} build/gpu/tests/gpu_tests --no-skip -tc='CUDA soak*' \
+    >"$OUT/soak.log" 2>&1; rc=$?
+  note "CUDA soak: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/soak.log" | sed 's/\[doctest\] //')"
+  mapfile -t lines < <(grep -h '"soak": "cuda"' "$OUT/soak.log" | cut -c1-200)
+  summary+=("${lines[@]}")
+  [ $rc -eq 0 ] || status=1
 fi
 
 {
