@@ -51,7 +51,11 @@ cmake --build build/asan -j "$(build_jobs)" --target host_core_tests fault_tests
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build/asan/tests/host_core_tests
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build/asan --output-on-failure -L faults
 
-scripts/fuzz.sh 120
+# Fuzzing is one thread for two minutes: it runs beside the Python and packaging steps (its
+# packages are installed first, so that two apt-get never run at once), and its output follows.
+apt_install clang libclang-rt-14-dev
+scripts/fuzz.sh 120 >build/fuzz.log 2>&1 &
+fuzz_pid=$!
 
 echo "== Python package: fresh virtual environment, pip install ./python (host module), pytest"
 python_venv=build/python-venv
@@ -71,6 +75,13 @@ undocumented=$(doxygen docs/Doxyfile 2>&1 | grep -v '/detail/' || true)
 if [ -n "$undocumented" ]; then echo "$undocumented"; exit 1; fi
 echo "ok"
 
+echo "== fuzzing (run beside the steps above)"
+fuzz_status=0
+wait "$fuzz_pid" || fuzz_status=$?
+cat build/fuzz.log
+[ "$fuzz_status" -eq 0 ] || exit "$fuzz_status"
+
 build/ci/benchmarks/engine_loop --backend host --mode eager --scenarios decode_B64,prefill_8k --decode-steps 8 --copy all --storage all | python3 -c 'import json, sys; r = [json.loads(l) for l in sys.stdin]; ok = bool(r) and all(x["correct"] for x in r); print("== engine loop benchmark (host backend):", len(r), "runs,", "all correct" if ok else "NOT ALL CORRECT"); sys.exit(0 if ok else 1)'
 echo "== demo (small run, default backend)"
 build/ci/examples/engine_loop --out build/ci/demo_out --requests 3 --max-tokens 256 | tail -n 2
+echo "== all passed in $SECONDS s"
