@@ -110,9 +110,8 @@ class per_request_store {
   void close(std::uint32_t h)
   {
     auto& r = rows_[h];
-    if (r.capacity > 0 && parked_.size() < max_parked) {  // room reserved: nothing allocates
-      parked_.push_back({r.view, r.capacity, std::move(r.segments), r.last_claim});
-      parked_bytes_ += r.capacity;
+    if (r.capacity > 0 && parked_.size() < max_parked) {
+      park(r);
       r = request_rows{};  // the handle takes a bare range at its next open()
       return;
     }
@@ -122,13 +121,7 @@ class per_request_store {
       pending_.reserve(std::max(2 * pending_.capacity(), pending_.size() + r.segments.size()));
     }
     if (r.capacity > 0 && !unmap(r.view, r.capacity)) { throw_system_error("mmap over a closed request's rows"); }
-    for (const auto& s : r.segments) {
-      if (r.last_claim > filed_through_) {
-        pending_.push_back({s, r.last_claim});
-      } else {
-        arena_.release(s);
-      }
-    }
+    release_segments(r.segments, r.last_claim);
     r.segments.clear();
     r.claimed_by.clear();
     r.capacity   = 0;
@@ -200,8 +193,7 @@ class per_request_store {
   {
     auto& r = rows_[h];
     if (r.adopted) {  // park the range again; the handle takes back the bare range it gave up
-      parked_.push_back({r.view, r.capacity, std::move(r.segments), r.last_claim});
-      parked_bytes_ += r.capacity;
+      park(r);
       r.view = bare_.back();
       bare_.pop_back();
       r.segments.clear();
@@ -369,8 +361,7 @@ class per_request_store {
     return true;
   }
 
-  // Gives parked ranges back to the arena, oldest first, while mapping `bytes` more would cross
-  // the limit.
+  // Gives parked ranges back to the arena, oldest first, while mapping `bytes` more would cross the limit.
   void evict_parked_beyond(std::size_t bytes)
   {
     while (!parked_.empty() && arena_.bytes_in_use() + bytes > limit_) {
@@ -379,12 +370,25 @@ class per_request_store {
       parked_.erase(parked_.begin());
       parked_bytes_ -= p.capacity;
       ::munmap(p.view, view_bytes());
-      for (const auto& s : p.segments) {
-        if (p.last_claim > filed_through_) {
-          pending_.push_back({s, p.last_claim});
-        } else {
-          arena_.release(s);
-        }
+      release_segments(p.segments, p.last_claim);
+    }
+  }
+
+  // Moves the range of `r` to the parked list (room reserved: nothing allocates); the caller resets `r`.
+  void park(request_rows& r) noexcept
+  {
+    parked_.push_back({r.view, r.capacity, std::move(r.segments), r.last_claim});
+    parked_bytes_ += r.capacity;
+  }
+
+  // Unmapped segments go to the arena, or to the (reserved) pending list while a kernel may write them.
+  void release_segments(const std::vector<typename arena_type::block>& segments, std::uint64_t last_claim) noexcept
+  {
+    for (const auto& s : segments) {
+      if (last_claim > filed_through_) {
+        pending_.push_back({s, last_claim});
+      } else {
+        arena_.release(s);
       }
     }
   }
