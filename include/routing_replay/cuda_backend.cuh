@@ -293,6 +293,15 @@ struct cuda_backend {
   {
     detail::check_cuda(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize");
   }
+
+  /// @brief Whether work enqueued on `stream` now is recorded into a CUDA graph rather than run
+  /// (its replays will run it later, unseen by the host).
+  [[nodiscard]] static bool is_capturing(stream_ref stream)
+  {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    detail::check_cuda(cudaStreamIsCapturing(stream.get(), &status), "cudaStreamIsCapturing");
+    return status != cudaStreamCaptureStatusNone;
+  }
 };
 
 }  // namespace routing_replay

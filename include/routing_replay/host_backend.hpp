@@ -208,6 +208,9 @@ struct host_backend {
   /// @brief Blocks the calling thread until `stream` has run everything enqueued so far.
   /// @throws error backend_error if one of those tasks failed
   static void synchronize(stream_ref stream) { stream.queue().synchronize(); }
+
+  /// @brief Whether `stream` records work into a graph instead of running it: host streams never do.
+  [[nodiscard]] static bool is_capturing(stream_ref) noexcept { return false; }
 };
 
 }  // namespace routing_replay

@@ -15,9 +15,37 @@
 
 namespace routing_replay {
 
-/// @brief A non-owning request id, integer or string, as engines have them.
+/// @brief A live request as add_request() returned it: its dense index in the library and the
+/// generation of that index's use.
 ///
-/// Plans and lookups take this view so that scheduling a string-id request allocates nothing.
+/// Engines that keep it (beside their own request object) schedule, extract and release without the
+/// library hashing or comparing ids: a lookup by handle is an array access. A handle outlives its
+/// request only as a stale value: once the request is released or aborted its index may serve a new
+/// request, but with the next generation, so the stale handle is refused (unknown_request), never
+/// taken for the new request.
+struct request_handle {
+  std::uint32_t index      = 0;  ///< dense index of the request's state
+  std::uint32_t generation = 0;  ///< use of that index the handle was given for
+
+  /// @brief The handle as one integer (generation in the high half), for bindings and arrays.
+  [[nodiscard]] constexpr std::uint64_t bits() const noexcept
+  {
+    return (static_cast<std::uint64_t>(generation) << 32) | index;
+  }
+  /// @brief The handle bits() returned.
+  [[nodiscard]] static constexpr request_handle from_bits(std::uint64_t bits) noexcept
+  {
+    return request_handle{static_cast<std::uint32_t>(bits), static_cast<std::uint32_t>(bits >> 32)};
+  }
+  /// @brief Equality of index and generation.
+  friend constexpr bool operator==(const request_handle&, const request_handle&) = default;
+};
+
+/// @brief A non-owning request reference as engines have it: an integer or string id, or the
+/// request_handle add_request() returned.
+///
+/// Plans and lookups take this view so that scheduling a string-id request allocates nothing, and
+/// scheduling by handle hashes nothing.
 class request_key {
  public:
   /// @brief An integer request id.
@@ -32,18 +60,27 @@ class request_key {
   request_key(const std::string& id) noexcept : value_(std::string_view{id}) {}  // NOLINT
   /// @brief A string request id; the characters must outlive the key.
   request_key(const char* id) noexcept : value_(std::string_view{id}) {}  // NOLINT
+  /// @brief A live request by the handle add_request() returned.
+  request_key(request_handle handle) noexcept : value_(handle) {}  // NOLINT: implicit by design
 
-  /// @brief Whether the id is an integer.
+  /// @brief Whether the key is an integer id.
   [[nodiscard]] bool is_integer() const noexcept { return value_.index() == 0; }
+  /// @brief Whether the key is a string id.
+  [[nodiscard]] bool is_string() const noexcept { return value_.index() == 1; }
+  /// @brief Whether the key is a handle (not an id).
+  [[nodiscard]] bool is_handle() const noexcept { return value_.index() == 2; }
   /// @brief The integer id; only valid when is_integer().
   [[nodiscard]] std::int64_t integer() const noexcept { return *std::get_if<0>(&value_); }
-  /// @brief The string id; only valid when !is_integer().
+  /// @brief The string id; only valid when is_string().
   [[nodiscard]] std::string_view string() const noexcept { return *std::get_if<1>(&value_); }
+  /// @brief The handle; only valid when is_handle().
+  [[nodiscard]] request_handle handle() const noexcept { return *std::get_if<2>(&value_); }
 
-  /// @brief The id as it appears in error messages: 42 or 'chat-7'.
+  /// @brief The key as it appears in error messages: 42, 'chat-7' or handle 3.1 (index.generation).
   [[nodiscard]] std::string to_string() const
   {
     if (is_integer()) { return std::to_string(integer()); }
+    if (is_handle()) { return "handle " + std::to_string(handle().index) + "." + std::to_string(handle().generation); }
     std::string quoted;
     quoted.reserve(string().size() + 2);
     quoted.append(1, '\'').append(string()).append(1, '\'');
@@ -54,19 +91,22 @@ class request_key {
   friend bool operator==(const request_key&, const request_key&) = default;
 
  private:
-  std::variant<std::int64_t, std::string_view> value_;
+  std::variant<std::int64_t, std::string_view, request_handle> value_;
 };
 
 /// @brief An owning request id (integer or string), as stored by the library.
 class request_id {
  public:
   /// @brief Copies the id a key refers to.
+  /// @throws error invalid_argument for a handle: a handle names a request, it is not an id
   explicit request_id(request_key key)
   {
     if (key.is_integer()) {
       value_ = key.integer();
-    } else {
+    } else if (key.is_string()) {
       value_ = std::string{key.string()};
+    } else {
+      throw error{errc::invalid_argument, "a request is added by its id, not by a handle (" + key.to_string() + ")"};
     }
   }
   /// @brief A non-owning view of this id.
@@ -88,9 +128,10 @@ struct request_hash {
   /// @brief Hash of a key.
   [[nodiscard]] std::size_t operator()(request_key key) const noexcept
   {
-    // distinct salts keep the integer 7 and the string "7" apart
-    return key.is_integer() ? std::hash<std::int64_t>{}(key.integer()) * 0x9E3779B97F4A7C15ull
-                            : std::hash<std::string_view>{}(key.string()) ^ 0x5bd1e995ull;
+    // distinct salts keep the integer 7, the string "7" and a handle apart
+    if (key.is_integer()) { return std::hash<std::int64_t>{}(key.integer()) * 0x9E3779B97F4A7C15ull; }
+    if (key.is_string()) { return std::hash<std::string_view>{}(key.string()) ^ 0x5bd1e995ull; }
+    return std::hash<std::uint64_t>{}(key.handle().bits()) ^ 0xC2B2AE3D27D4EB4Full;
   }
   /// @brief Hash of an owning id.
   [[nodiscard]] std::size_t operator()(const request_id& id) const noexcept
@@ -120,7 +161,8 @@ struct request_equal {
 /// first_position .. first_position + num_tokens - 1 of the request. Positions come from the engine
 /// and are never derived from counters, so engines that schedule ahead of the GPU stay exact.
 struct scheduled_request {
-  /// @brief The request, as given to add_request().
+  /// @brief The request: its id as given to add_request(), or the handle add_request() returned
+  /// (no hashing per step).
   request_key id;
   /// @brief Position of the first token of this request in this step.
   std::int64_t first_position = 0;

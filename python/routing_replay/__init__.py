@@ -273,9 +273,20 @@ class Replay:
         self._native = native
         self._on_host = native.on_host
         self._held_stream = None
+        self._top_k = top_k
+        # what capture()'s hot path compares against: the device index a tensor reports
+        # (get_device(): -1 on the CPU) and this replay's current stream, read without building
+        # a stream object
+        self._device_index = -1 if self._on_host else native.device
+        if self._on_host:
+            default_handle = self.stream_handle(None)  # held from now on
+            self._current_stream = lambda: default_handle
+        else:
+            self._current_stream = _arrays.current_stream_reader(native.device)
         self._id = next(_replay_ids)
         _live[self._id] = self
         self._torch_op, self._compiling = _torch_capture_op()
+        self._tensor_type = _arrays.torch_tensor_type()
 
     # ---- shape and accounting ------------------------------------------------------------------
 
@@ -355,13 +366,21 @@ class Replay:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: int | str, prompt_length: int = -1, cached_slots=None) -> None:
+    def add_request(self, request_id: int | str, prompt_length: int = -1, cached_slots=None) -> int:
         """Registers a request that asked for its routing (others are only ``StepPlan.skip``-ped).
 
         ``prompt_length`` splits prompt and generation rows; ``cached_slots`` (a prefix-cache hit)
         names the KV slots holding positions ``[0, len(cached_slots))``.
+
+        Returns the request's handle (an ``int``): keep it beside the engine's request and schedule
+        steps with :meth:`StepPlan.schedule_handles`, which then costs no id lookup per request. A
+        handle of a released or aborted request is refused, never taken for a later one.
         """
-        self._native.add_request(request_id, prompt_length, cached_slots)
+        return self._native.add_request(request_id, prompt_length, cached_slots)
+
+    def handle(self, request_id: int | str) -> int:
+        """The handle of a live request (what :meth:`add_request` returned)."""
+        return self._native.handle(request_id)
 
     def add_cached_prefix(self, request_id: int | str, cached_slots) -> None:
         """A live request restarts with positions ``[0, len(cached_slots))`` served from the prefix cache."""
@@ -512,8 +531,11 @@ class Replay:
         map from physical (EPLB) to logical expert ids. On the host backend the ids are read during
         the call, so the array may be reused at once.
         """
+        if (num_tokens is None and stream is None and row_offset == 0 and physical_to_logical is None
+                and self._hot_capture(layer, topk_ids, False)):
+            return
         if self._torch_op is None and _arrays.is_torch_tensor(topk_ids):  # torch was imported after __init__
-            self._torch_op, self._compiling = _torch_capture_op()
+            self._torch_arrived()
         if self._torch_op is not None and self._compiling():
             if stream is not None:
                 raise ValueError("capture under torch.compile runs on the current stream: pass no stream")
@@ -521,6 +543,33 @@ class Replay:
                            physical_to_logical)
             return
         self._capture_now(layer, topk_ids, num_tokens, stream, row_offset, physical_to_logical)
+
+    def _torch_arrived(self) -> None:
+        """torch was imported after this replay was built: its op, tensor type and streams."""
+        self._torch_op, self._compiling = _torch_capture_op()
+        self._tensor_type = _arrays.torch_tensor_type()
+        if not self._on_host:
+            self._current_stream = _arrays.current_stream_reader(self._native.device)
+
+    def _hot_capture(self, layer: int, topk_ids, staged: bool) -> bool:
+        """capture() of a whole array on the current stream, the call eager forwards make 48 times a
+        step: a plain torch tensor on this replay's device (its geometry read directly, no DLPack, no
+        stream object) or, on the host backend, a numpy array; one native call, one kernel. False
+        for anything else (the general path then describes, checks and reports it)."""
+        if type(topk_ids) is self._tensor_type:
+            if self._compiling():  # torch.compile traces capture(): the custom op, not a raw pointer
+                return False
+            source = _arrays.torch_source(topk_ids, self._device_index, self._top_k)
+            if source is None:
+                return False
+            if staged:
+                self._native.stage_capture(layer, *source, self._current_stream())
+            else:
+                self._native.capture(layer, *source, self._current_stream())
+            return True
+        if self._on_host and type(topk_ids) is np.ndarray:
+            return self._native.capture_array(layer, topk_ids, self._current_stream(), staged)
+        return False
 
     def capture_pointer(self, layer: int, data: int, dtype: str, num_tokens: int, row_stride: int, stream=None,
                         *, physical_to_logical: int = 0, num_physical_experts: int = 0) -> None:
@@ -606,11 +655,17 @@ def _policy_error(e: Error) -> Exception:
 
 def _torch_capture_op(import_torch: bool = False):
     """(the torch custom op capture() dispatches to under torch.compile, torch.compiler.is_compiling)
-    when torch is imported (or, with `import_torch`, importable), else (None, None). Both are stored
+    when torch is imported (or, with `import_torch`, importable), else (None, a test that is always
+    False). Both are stored
     as plain attributes, so Dynamo traces the test in capture()."""
     if "torch" not in sys.modules:
         if not import_torch or importlib.util.find_spec("torch") is None:
-            return None, None
+            return None, _never_compiling
     from . import torch_ops
 
     return torch_ops.capture_op(), sys.modules["torch"].compiler.is_compiling
+
+
+def _never_compiling() -> bool:
+    """torch.compiler.is_compiling() where torch is not imported."""
+    return False

@@ -106,6 +106,62 @@ def _dlpack(a) -> IdArray:
     return IdArray(ptr, code, rows, cols, stride, device, device_id, a)
 
 
+class _NoTensorType:
+    """Stands for torch.Tensor where torch is not imported: no array is of this type."""
+
+
+def torch_tensor_type() -> type:
+    """torch.Tensor when torch is imported (not importing it), else a type no array has."""
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else _NoTensorType
+
+
+#: torch dtype -> native dtype code, for the integer dtypes met so far (filled by torch_source).
+_TORCH_CODES: dict[Any, int] = {}
+
+
+def torch_source(t, device_index: int, top_k: int) -> tuple[int, int, int, int] | None:
+    """(pointer, dtype code, rows, row stride) of a 2-D integer tensor on CUDA device `device_index`
+    (-1: the CPU) whose rows hold at least `top_k` contiguous ids; None for any other tensor, which
+    the general path then describes and, if it is wrong, reports. Reads the tensor's own attributes:
+    no DLPack capsule, no ``__cuda_array_interface__`` dict."""
+    code = _TORCH_CODES.get(t.dtype)
+    if code is None:
+        code = DTYPE_CODES.get(str(t.dtype).rsplit(".", 1)[-1])
+        if code is None:
+            return None
+        _TORCH_CODES[t.dtype] = code
+    shape = t.shape
+    if len(shape) != 2 or shape[1] < top_k or t.get_device() != device_index:
+        return None
+    row_stride, col_stride = t.stride()
+    if col_stride != 1 or (row_stride < shape[1] and shape[0] > 1):
+        return None
+    return t.data_ptr(), code, shape[0], max(row_stride, shape[1])
+
+
+def current_stream_reader(device_index: int):
+    """A function returning the current CUDA stream of `device_index` as a cudaStream_t int, as
+    cuda_stream_handle(None) does, but without a torch stream object per call where torch offers
+    the raw handle."""
+    torch = sys.modules.get("torch")
+    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None) if torch is not None else None
+    if raw is None:
+        return lambda: cuda_stream_handle(None)
+
+    initialized = False
+
+    def current() -> int:
+        nonlocal initialized
+        if not initialized:
+            if not torch.cuda.is_initialized():  # torch holds no stream yet: as cuda_stream_handle(None)
+                return cuda_stream_handle(None)
+            initialized = True
+        return raw(device_index)
+
+    return current
+
+
 def is_torch_tensor(a) -> bool:
     """Whether `a` is a torch tensor (without importing torch)."""
     torch = sys.modules.get("torch")

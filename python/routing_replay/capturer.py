@@ -108,8 +108,11 @@ class RoutedExpertsCapturer:
     def capture(self, layer_id: int, topk_ids) -> None:
         """Records one layer's router output ``topk_ids`` ``[n, K (+shared)]``, any integer dtype,
         on the current stream: one small kernel, safe inside CUDA graphs and ``torch.compile``."""
+        if self._replay._hot_capture(layer_id, topk_ids, True):  # eager forwards: one native call, one kernel
+            return
         if self._torch_op is None and _arrays.is_torch_tensor(topk_ids):
             self._torch_op, self._compiling = _torch_capture_op()
+            self._replay._torch_arrived()
         if self._torch_op is not None and self._compiling():
             self._torch_op(topk_ids, self._id, layer_id, -1, 0, None)
             return
@@ -145,14 +148,17 @@ class RoutedExpertsCapturer:
             num_scheduled_tokens = legacy.pop("num_scheduled_tokes")
         if legacy:
             raise TypeError(f"unexpected arguments {sorted(legacy)}")
-        stream = self._replay.stream_handle(None)
-        counts = list(num_scheduled_tokens.values())
-        if not any(counts):
+        stream = self._replay._current_stream()
+        if not num_scheduled_tokens:
             self._native.reset_staging(stream)
             return
-        if _arrays.is_torch_tensor(positions):
-            positions = positions.numpy()
-        self._native.commit_positions(list(num_scheduled_tokens.keys()), counts, positions, stream)
+        if type(positions) is not np.ndarray:
+            positions = positions.numpy() if _arrays.is_torch_tensor(positions) else np.asarray(positions, np.int64)
+        if not isinstance(num_scheduled_tokens, dict):
+            num_scheduled_tokens = dict(num_scheduled_tokens)
+        # one native pass over the dict: each id's handle from a cache (new ids are added), positions
+        # checked, the step committed (or, if no request has tokens, the staged rows reset)
+        self._native.commit_scheduled(num_scheduled_tokens, positions, stream)
 
     def finalize_pending_copy(self) -> None:
         """Waits for every step still being copied and files it."""

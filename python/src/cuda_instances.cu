@@ -1,8 +1,11 @@
 /// @file
-/// CUDA module: the compiled CUDA instantiations (one nvcc translation unit) and the few CUDA
-/// runtime calls the module makes. No nanobind here: module_cuda.cpp binds it with the host
-/// compiler.
+/// CUDA module: the int16 layer-major instantiations, the registration of every CUDA instantiation
+/// and the few CUDA runtime calls the module makes. The other instantiations are in
+/// cuda_int16_token_major.cu and cuda_other_index_types.cu: three nvcc translation units that a
+/// machine's cores build at once (CI builds the host module only). No nanobind here:
+/// module_cuda.cpp binds it with the host compiler.
 #include "cuda_instances.hpp"
+#include "cuda_stream_cast.cuh"
 #include "instances.hpp"
 
 #include <routing_replay/routing_replay.cuh>
@@ -11,21 +14,11 @@
 
 namespace routing_replay::python {
 
-/// @brief CUDA backend: the handle is a cudaStream_t (0: the legacy default stream).
-template <>
-struct stream_cast<cuda_backend> {
-  /// @brief The stream reference for a handle.
-  static cuda::stream_ref from(std::uintptr_t handle)
-  {
-    return cuda::stream_ref{reinterpret_cast<cudaStream_t>(handle)};  // NOLINT: the handle protocol
-  }
-};
-
 void register_cuda(factory_table& table)
 {
   add_int16<cuda_backend, layer_major>(table, "cuda");
-  add_int16<cuda_backend, token_major>(table, "cuda");
-  add_other_index_types<cuda_backend>(table, "cuda");
+  register_cuda_int16_token_major(table);
+  register_cuda_other_index_types(table);
 }
 
 bool cuda_available() noexcept { return cuda_backend::available(); }

@@ -32,6 +32,8 @@ struct plan_holder {
   step_plan plan;                              ///< the plan begin_step() takes
   std::deque<std::string> ids;                 ///< string ids of the scheduled requests
   std::deque<std::vector<std::int64_t>> slots; ///< slot lists (block-slot storage)
+  /// Scratch of schedule_handles(): its columns as int64, capacity kept from step to step.
+  std::vector<std::int64_t> columns[4];
 
   /// @brief Empties the plan, keeping capacity where it can.
   void clear()
@@ -81,11 +83,16 @@ struct replay_handle {
   std::unique_ptr<replay_base> impl;  ///< the instantiation
   backend_kind backend;               ///< host or CUDA
   std::int32_t device_id;             ///< CUDA device of the buffers (0 on the host)
-  /// @brief Zero-copy extractions alive, per request: release, abort and a plan that schedules the
-  /// request are refused while any is alive (BufferError), as bytearray refuses to resize.
-  std::unordered_map<request_id, std::int64_t, request_hash, request_equal> views;
+  /// @brief Zero-copy extractions alive, per request handle index: release, abort and a plan that
+  /// schedules the request (by id or handle) are refused while any is alive (BufferError), as
+  /// bytearray refuses to resize.
+  std::unordered_map<std::uint32_t, std::int64_t> views;
   std::int64_t live_views = 0;  ///< sum of `views`
   plan_holder staged_plan;      ///< the plan the staging path builds each step
+  /// @brief Staging path: request id object -> handle bits (a Python dict, so a step's lookups
+  /// use the hashes Python caches in its str objects: one probe per request, no string copies).
+  /// Entries go when the request is released or aborted.
+  nanobind::dict id_cache;
 };
 
 /// @brief Creates a replay of the instantiation `table` holds for the policy names.

@@ -7,7 +7,7 @@
 /// - uint8, uint16 and int32 with layer_major and the two strategies engines run in production,
 ///   double_buffered and device_scatter, each with both storages: 12.
 /// Copy strategies with a ring use depth 2. The host module builds them in three translation units
-/// (so cores build them at once); the CUDA module in one nvcc translation unit.
+/// (so cores build them at once); the CUDA module in three nvcc translation units likewise.
 #pragma once
 
 #include "replay_impl.hpp"

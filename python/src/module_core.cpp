@@ -16,8 +16,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -174,13 +176,153 @@ void plan_from_positions(plan_holder& p, nb::handle ids, nb::handle counts, nb::
   }
 }
 
+dtype_code dtype_from_dlpack(nb::dlpack::dtype t);
+void check_plan_views(const replay_handle& h, const step_plan& plan);
+
+/// Reads a 1-D integer column (a numpy array of any integer dtype, or a sequence) into `out` as
+/// int64, keeping out's capacity: one pass, no Python object per element for arrays.
+void read_column(nb::handle column, std::vector<std::int64_t>& out, const char* what)
+{
+  nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu> array;
+  if (!nb::try_cast(column, array)) {
+    try {
+      out = nb::cast<std::vector<std::int64_t>>(column);
+    } catch (const nb::cast_error&) {
+      throw nb::type_error((std::string{what} + ": expected a 1-D integer array or sequence").c_str());
+    }
+    return;
+  }
+  const dtype_code d = dtype_from_dlpack(array.dtype());
+  out.resize(array.shape(0));
+  // uint64 handles keep their bits through the int64 cast, and are cast back by from_bits()
+  visit_dtype(d, [&](auto tag) {
+    using T         = decltype(tag);
+    const auto* in  = static_cast<const T*>(array.data());
+    const auto step = array.stride(0);
+    for (std::size_t i = 0; i < out.size(); ++i) { out[i] = static_cast<std::int64_t>(in[static_cast<std::int64_t>(i) * step]); }
+  });
+}
+
+/// Appends requests by handle, columnar: handles[i] (as add_request returned them) with
+/// num_tokens[i] tokens from first_positions[i], and num_draft_tokens[i] trailing drafts. One native
+/// pass over the arrays: no Python object and no id hashing per request.
+void plan_schedule_handles(plan_holder& p, nb::handle handles, nb::handle first_positions, nb::handle num_tokens,
+                           nb::handle num_draft_tokens)
+{
+  auto& [h, first, count, drafts] = p.columns;
+  read_column(handles, h, "schedule_handles: handles");
+  read_column(first_positions, first, "schedule_handles: first_positions");
+  read_column(num_tokens, count, "schedule_handles: num_tokens");
+  const bool with_drafts = !num_draft_tokens.is_none();
+  if (with_drafts) { read_column(num_draft_tokens, drafts, "schedule_handles: num_draft_tokens"); }
+  if (first.size() != h.size() || count.size() != h.size() || (with_drafts && drafts.size() != h.size())) {
+    throw error{errc::invalid_plan, "schedule_handles: " + std::to_string(h.size()) + " handles, " +
+                                      std::to_string(first.size()) + " first positions, " + std::to_string(count.size()) +
+                                      " token counts" +
+                                      (with_drafts ? ", " + std::to_string(drafts.size()) + " draft counts" : "")};
+  }
+  constexpr std::int64_t int32_max = std::numeric_limits<std::int32_t>::max();
+  for (std::size_t i = 0; i < h.size(); ++i) {
+    const std::int64_t n = count[i];
+    const std::int64_t d = with_drafts ? drafts[i] : 0;
+    if (n < 0 || n > int32_max || d < 0 || d > int32_max) {
+      throw error{errc::invalid_plan, "schedule_handles: entry " + std::to_string(i) + " has " + std::to_string(n) +
+                                        " tokens and " + std::to_string(d) + " drafts"};
+    }
+    p.plan.schedule(scheduled_request{request_handle::from_bits(static_cast<std::uint64_t>(h[i])), first[i],
+                                      static_cast<std::int32_t>(n), static_cast<std::int32_t>(d), {}});
+  }
+}
+
+/// The handle of request id object `id` on the staging path: from the replay's id cache (one dict
+/// probe with the hash Python keeps in the str), else the live request's, else a new request's.
+request_handle cached_handle(replay_handle& h, PyObject* id)
+{
+  if (PyBool_Check(id)) { throw nb::type_error("request ids are int or str"); }  // True would find 1
+  if (PyObject* bits = PyDict_GetItemWithError(h.id_cache.ptr(), id); bits != nullptr) {
+    return request_handle::from_bits(PyLong_AsUnsignedLongLong(bits));
+  }
+  if (PyErr_Occurred() != nullptr) { throw nb::python_error(); }  // an unhashable id
+  const request_key key = key_of(id);
+  const request_handle handle = h.impl->contains(key) ? h.impl->handle(key) : h.impl->add_request(key, {});
+  h.id_cache[nb::handle{id}] = handle.bits();
+  return handle;
+}
+
+/// Forgets a released or aborted request's id in the staging path's cache.
+void forget_cached_id(replay_handle& h, nb::handle id)
+{
+  if (PyDict_DelItem(h.id_cache.ptr(), id.ptr()) != 0) { PyErr_Clear(); }  // never cached
+}
+
+/// Staging path, one step: the requests of `scheduled` ({id: tokens}, in batch order) at the
+/// positions the engine gives (one per token, consecutive within a request), new ids added, in one
+/// native pass over the dict; then the staged rows are committed as that step.
+void commit_scheduled(replay_handle& h, nb::handle scheduled, nb::handle positions, std::uintptr_t stream)
+{
+  plan_holder& p = h.staged_plan;
+  p.clear();
+  try {
+    if (!PyDict_Check(scheduled.ptr())) { throw nb::type_error("num_scheduled_tokens must be a dict {request id: tokens}"); }
+    nb::ndarray<const std::int64_t, nb::ndim<1>, nb::device::cpu> array;
+    std::vector<std::int64_t>& copy = p.columns[0];
+    const std::int64_t* pos         = nullptr;
+    std::size_t num_positions       = 0;
+    if (nb::try_cast(positions, array) && array.stride(0) == 1) {
+      pos           = array.data();
+      num_positions = array.shape(0);
+    } else {
+      read_column(positions, copy, "positions");
+      pos           = copy.data();
+      num_positions = copy.size();
+    }
+    Py_ssize_t at   = 0;
+    PyObject* id    = nullptr;
+    PyObject* value = nullptr;
+    std::size_t row = 0;
+    while (PyDict_Next(scheduled.ptr(), &at, &id, &value)) {
+      const long long count = PyLong_AsLongLong(value);
+      if (count == -1 && PyErr_Occurred() != nullptr) { throw nb::python_error(); }
+      if (count == 0) { continue; }
+      if (count < 0 || count > std::numeric_limits<std::int32_t>::max() ||
+          row + static_cast<std::size_t>(count) > num_positions) {
+        throw error{errc::invalid_plan, "request " + key_of(id).to_string() + ": " + std::to_string(count) +
+                                          " tokens at row " + std::to_string(row) + ", but the step has " +
+                                          std::to_string(num_positions) + " positions"};
+      }
+      const std::int64_t first = pos[row];
+      for (long long t = 1; t < count; ++t) {
+        if (pos[row + static_cast<std::size_t>(t)] != first + t) {
+          throw error{errc::invalid_plan,
+                      "request " + key_of(id).to_string() + ": positions of one step must be consecutive, got " +
+                        std::to_string(pos[row + static_cast<std::size_t>(t) - 1]) + " then " +
+                        std::to_string(pos[row + static_cast<std::size_t>(t)]) + " at row " +
+                        std::to_string(row + static_cast<std::size_t>(t))};
+        }
+      }
+      p.plan.schedule(scheduled_request{cached_handle(h, id), first, static_cast<std::int32_t>(count), 0, {}});
+      row += static_cast<std::size_t>(count);
+    }
+    check_plan_views(h, p.plan);
+  } catch (...) {
+    h.impl->reset_staging(stream);  // a refused step must not leave its rows for the next one
+    throw;
+  }
+  if (p.plan.num_rows() == 0) {  // no request has tokens: no step, and what the forward staged goes
+    h.impl->reset_staging(stream);
+    return;
+  }
+  nb::gil_scoped_release unlocked;
+  h.impl->commit_staged_step(p.plan, stream);
+}
+
 // ---- zero-copy extractions ---------------------------------------------------------------------
 
 /// Owner of a numpy array that views per-request storage: while it lives, its request may not be
 /// released, aborted or scheduled (the rows would move or vanish under the array).
 struct view_lease {
-  view_lease(nb::object owner, replay_handle* h, request_key id, std::shared_ptr<void> r)
-    : replay(std::move(owner)), handle(h), request(id), rows(std::move(r))
+  view_lease(nb::object owner, replay_handle* h, std::uint32_t index, std::shared_ptr<void> r)
+    : replay(std::move(owner)), handle(h), request(index), rows(std::move(r))
   {
     ++handle->views[request];
     ++handle->live_views;
@@ -189,21 +331,21 @@ struct view_lease {
   view_lease& operator=(const view_lease&) = delete;
   ~view_lease()
   {
-    auto it = handle->views.find(request.key());
+    auto it = handle->views.find(request);
     if (it != handle->views.end() && --it->second == 0) { handle->views.erase(it); }
     --handle->live_views;
   }
 
   nb::object replay;  // keeps the replay (and so the storage) alive
   replay_handle* handle;
-  request_id request;
+  std::uint32_t request;  // the request's handle index: it cannot go while the lease lives
   std::shared_ptr<void> rows;
 };
 
 void check_views(const replay_handle& h, request_key id, const char* what)
 {
-  if (h.live_views == 0) { return; }
-  if (auto it = h.views.find(id); it != h.views.end()) {
+  if (h.live_views == 0 || !h.impl->contains(id)) { return; }  // an unknown id: the call itself says so
+  if (auto it = h.views.find(h.impl->handle(id).index); it != h.views.end()) {
     throw view_conflict{std::string{what} + ": request " + id.to_string() + " has " + std::to_string(it->second) +
                         " zero-copy extraction(s) alive (numpy arrays from extract(copy=False)); delete "
                         "them, or extract with copy=True, first"};
@@ -269,7 +411,8 @@ nb::object extract_array(nb::handle self, nb::handle id, std::int64_t start, std
   const auto layers      = static_cast<std::size_t>(e.layers);
   const auto k           = static_cast<std::size_t>(e.top_k);
   if (e.is_view && !copy) {
-    nb::object lease = nb::cast(new view_lease(nb::borrow(self), &h, key, e.owner), nb::rv_policy::take_ownership);
+    nb::object lease = nb::cast(new view_lease(nb::borrow(self), &h, h.impl->handle(key).index, e.owner),
+                                nb::rv_policy::take_ownership);
     return make_array<nb::ndarray<nb::numpy, nb::ro>>(e.data, {rows, layers, k}, lease, d);
   }
   if (e.is_view) {  // an independent copy of the view
@@ -478,6 +621,12 @@ NB_MODULE(_core, m)
          "storage) gives one KV slot per token.")
     .def("skip", [](rp::plan_holder& p, std::int32_t n) { p.plan.skip(n); }, "num_tokens"_a,
          "Appends tokens of requests that did not ask for routing.")
+    .def("schedule_handles", &rp::plan_schedule_handles, "handles"_a, "first_positions"_a, "num_tokens"_a,
+         "num_draft_tokens"_a.none() = nb::none(),
+         "Appends requests by handle, in batch order, from columns (numpy arrays of any integer dtype, or "
+         "sequences): handles[i] as add_request returned it, with num_tokens[i] tokens at positions "
+         "first_positions[i]..., the last num_draft_tokens[i] of them speculative drafts. One native pass: no "
+         "Python object and no id lookup per request.")
     .def("schedule_positions", &rp::plan_from_positions, "ids"_a, "num_tokens"_a, "positions"_a,
          "Appends requests ids[i] with num_tokens[i] tokens each, in batch order, at the positions the engine "
          "gives (one per token, consecutive within a request).")
@@ -522,9 +671,10 @@ NB_MODULE(_core, m)
     .def("add_request",
          [](rp::replay_handle& h, nb::handle id, std::int64_t prompt_length, nb::handle cached_slots) {
            const std::vector<std::int64_t> slots = rp::int64_list(cached_slots);
-           h.impl->add_request(rp::key_of(id), rr::request_options{prompt_length, slots});
+           return h.impl->add_request(rp::key_of(id), rr::request_options{prompt_length, slots}).bits();
          },
          "id"_a, "prompt_length"_a, "cached_slots"_a.none())
+    .def("handle", [](const rp::replay_handle& h, nb::handle id) { return h.impl->handle(rp::key_of(id)).bits(); })
     .def("add_cached_prefix",
          [](rp::replay_handle& h, nb::handle id, nb::handle cached_slots) {
            const std::vector<std::int64_t> slots = rp::int64_list(cached_slots);
@@ -562,12 +712,14 @@ NB_MODULE(_core, m)
            const rr::request_key key = rp::key_of(id);
            rp::check_views(h, key, "release");
            h.impl->release(key);
+           rp::forget_cached_id(h, id);
          })
     .def("abort",
          [](rp::replay_handle& h, nb::handle id) {
            const rr::request_key key = rp::key_of(id);
            rp::check_views(h, key, "abort");
            h.impl->abort(key);
+           rp::forget_cached_id(h, id);
          })
     .def("export_blocks",
          [](nb::handle self, nb::handle blocks) {
@@ -637,22 +789,39 @@ NB_MODULE(_core, m)
            h.impl->stage_capture(layer, s.ids, num_tokens, stream);
            rp::hold_until_done(h, stream, s);
          })
-    .def("commit_positions",
-         [](rp::replay_handle& h, nb::handle ids, nb::handle counts, nb::handle positions, std::uintptr_t stream) {
-           h.staged_plan.clear();
-           try {
-             rp::plan_from_positions(h.staged_plan, ids, counts, positions);
-           } catch (...) {
-             h.impl->reset_staging(stream);
-             throw;
+    .def("capture_array",
+         [](rp::replay_handle& h, std::int32_t layer, nb::handle array, std::uintptr_t stream, bool staged) {
+           // the host backend's hot path: a plain 2-D integer array read through the buffer protocol,
+           // no Python-side description of it; anything else (false) takes the general path, which
+           // describes and reports it
+           nb::ndarray<nb::ro, nb::ndim<2>, nb::device::cpu> ids;
+           if (h.backend != rp::backend_kind::host || !nb::try_cast(array, ids)) { return false; }
+           const auto rows = static_cast<std::int64_t>(ids.shape(0));
+           const auto cols = static_cast<std::int64_t>(ids.shape(1));
+           const auto& t   = ids.dtype();
+           const bool integer = (t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int) ||
+                                 t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)) &&
+                                t.lanes == 1;
+           if (!integer || rows < 1 || ids.stride(1) != 1 || cols < h.impl->config().top_k ||
+               (rows > 1 && ids.stride(0) < cols)) {
+             return false;
            }
-           for (const auto& e : h.staged_plan.plan.entries()) {
-             if (!h.impl->contains(e.request.id)) { h.impl->add_request(e.request.id, {}); }
+           const std::int64_t row_stride = rows == 1 ? std::max<std::int64_t>(ids.stride(0), cols) : ids.stride(0);
+           rp::capture_source s = rp::capture_source_of(h, reinterpret_cast<std::uintptr_t>(ids.data()),
+                                                        static_cast<std::int32_t>(rp::dtype_from_dlpack(t)), rows,
+                                                        row_stride, 0, 0, 0);
+           if (staged) {
+             h.impl->stage_capture(layer, s.ids, rows, stream);
+           } else {
+             h.impl->capture(layer, s.ids, rows, stream, s.options);
            }
-           rp::check_plan_views(h, h.staged_plan.plan);
-           nb::gil_scoped_release unlocked;
-           h.impl->commit_staged_step(h.staged_plan.plan, stream);
-         })
+           rp::hold_until_done(h, stream, s);
+           return true;
+         },
+         "layer"_a, "ids"_a, "stream"_a, "staged"_a)
+    .def("commit_scheduled", &rp::commit_scheduled, "num_scheduled_tokens"_a, "positions"_a, "stream"_a,
+         "Staging path: files the forward just enqueued as one step of the requests of num_scheduled_tokens "
+         "({id: tokens}, batch order) at `positions` (int64, one per token); new ids are added.")
     .def("reset_staging", [](rp::replay_handle& h, std::uintptr_t stream) { h.impl->reset_staging(stream); })
     .def("layer_view", [](nb::handle self, std::int32_t layer, std::int64_t rows) {
       auto& h                 = nb::cast<rp::replay_handle&>(self);

@@ -154,8 +154,10 @@ class replay_base {
   /// @brief RoutingReplay::layer_slot().
   [[nodiscard]] virtual std::int32_t layer_slot(std::int32_t model_layer) const = 0;
 
-  /// @brief RoutingReplay::add_request().
-  virtual void add_request(request_key id, const request_options& options) = 0;
+  /// @brief RoutingReplay::add_request(): the request's handle.
+  virtual request_handle add_request(request_key id, const request_options& options) = 0;
+  /// @brief RoutingReplay::handle(): the handle of a live request.
+  [[nodiscard]] virtual request_handle handle(request_key id) const = 0;
   /// @brief RoutingReplay::add_cached_prefix().
   virtual void add_cached_prefix(request_key id, std::span<const std::int64_t> slots) = 0;
   /// @brief RoutingReplay::contains().
@@ -207,7 +209,8 @@ class replay_base {
   /// ref(N) (invalid ids are reported with their value; unstaged ones stay unwritten) and resets
   /// every staged row, then end_step(). The staging buffer is reset even when begin_step throws.
   virtual void commit_staged_step(const step_plan& plan, std::uintptr_t stream) = 0;
-  /// @brief Staging path: resets every staged row without a step (warm-up or empty forwards).
+  /// @brief Staging path: resets every staged row a forward may have written without a step
+  /// (warm-up or empty forwards).
   virtual void reset_staging(std::uintptr_t stream) = 0;
 };
 

@@ -155,7 +155,11 @@ class replay_impl final : public replay_base {
     return replay_.layer_slot(model_layer);
   }
 
-  void add_request(request_key id, const request_options& options) override { replay_.add_request(id, options); }
+  request_handle add_request(request_key id, const request_options& options) override
+  {
+    return replay_.add_request(id, options);
+  }
+  [[nodiscard]] request_handle handle(request_key id) const override { return replay_.handle(id); }
   void add_cached_prefix(request_key id, std::span<const std::int64_t> slots) override
   {
     replay_.add_cached_prefix(id, slots);
@@ -275,7 +279,7 @@ class replay_impl final : public replay_base {
     const std::int32_t slot = replay_.layer_slot(model_layer);  // throws unknown_layer
     const auto& c           = replay_.config();
     check_source(model_layer, ids, num_tokens, 0);
-    staged_rows_ = std::max(staged_rows_, num_tokens);
+    note_staged(num_tokens, stream);
     if (num_tokens == 0) { return; }
     std::int32_t* layer = Backend::data(staging_) + static_cast<std::int64_t>(slot) * c.max_tokens_per_step * c.top_k;
     auto stage          = [&](auto tag) {
@@ -302,25 +306,28 @@ class replay_impl final : public replay_base {
       reset_staging(stream);  // a refused step must not leave its rows for the next one
       throw;
     }
-    const auto& c               = replay_.config();
-    const std::int64_t n        = plan.num_rows();
-    const std::int64_t reset    = std::max(n, staged_rows_);
+    const auto& c            = replay_.config();
+    const std::int64_t n     = plan.num_rows();
+    const std::int64_t reset = std::max(n, rows_to_reset());
     if (reset > 0) {
       Backend::bulk_async(reset * replay_.row_size(),
                           commit_staged<Index, Layout>{replay_.ref(n), Backend::data(staging_), reset, n,
                                                        c.max_tokens_per_step, c.top_k},
                           s);
     }
+    eager_staged_rows_ = 0;
     replay_.end_step(s);
   }
 
   void reset_staging(std::uintptr_t stream) override
   {
     require_staging("reset_staging");
-    const auto& c = replay_.config();
-    if (staged_rows_ == 0) { return; }
-    Backend::bulk_async(staged_rows_ * replay_.row_size(),
-                        reset_staged{Backend::data(staging_), staged_rows_, c.max_tokens_per_step, c.top_k},
+    const auto& c            = replay_.config();
+    const std::int64_t reset = rows_to_reset();
+    eager_staged_rows_       = 0;
+    if (reset == 0) { return; }
+    Backend::bulk_async(reset * replay_.row_size(),
+                        reset_staged{Backend::data(staging_), reset, c.max_tokens_per_step, c.top_k},
                         streams::from(stream));
   }
 
@@ -378,8 +385,24 @@ class replay_impl final : public replay_base {
 
   policy_names names_;
   replay_type replay_;
+  // Rows a forward may have staged since the last commit or reset, which those must reset: the most
+  // rows an eager staged capture was handed since then, and the most a staged capture recorded
+  // into a CUDA graph was ever handed (its replays stage them again, unseen by the host). Resetting
+  // only these, not the most rows ever staged, keeps a decode step after an 8k prefill (or a warm-up
+  // forward of N_max rows) from resetting N_max rows of staging every step.
+  void note_staged(std::int64_t num_tokens, std::uintptr_t stream)
+  {
+    if (Backend::is_capturing(streams::from(stream))) {
+      graph_staged_rows_ = std::max(graph_staged_rows_, num_tokens);
+    } else {
+      eager_staged_rows_ = std::max(eager_staged_rows_, num_tokens);
+    }
+  }
+  [[nodiscard]] std::int64_t rows_to_reset() const noexcept { return std::max(eager_staged_rows_, graph_staged_rows_); }
+
   typename Backend::template device_vector<std::int32_t> staging_;  // [L, N_max, K]
-  std::int64_t staged_rows_ = 0;  // most rows any staged capture was handed (graphs replay them)
+  std::int64_t eager_staged_rows_ = 0;  // see note_staged()
+  std::int64_t graph_staged_rows_ = 0;  // see note_staged()
   // CUDA: int32 ids converted from element types capture kernels are not compiled for; [N_max, K].
   // Captures of such types share it, so they must be ordered (one stream), as any scratch.
   typename Backend::template device_vector<std::int32_t> scratch_;

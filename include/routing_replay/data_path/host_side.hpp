@@ -76,8 +76,13 @@ class host_side {
 
   /// @brief Registers a request that asked for its routing. Requests that did not ask are never
   /// added and their tokens are skip()ped in plans: they cost nothing on the host.
-  /// @throws error duplicate_request, slot_out_of_range (cached slots), position_out_of_range
-  void add_request(request_key id, const request_options& options = {})
+  ///
+  /// Returns the request's handle: every call that takes the id takes it too, and plans that name
+  /// requests by handle cost no hashing per request and step (engines keep it beside their own
+  /// request object).
+  /// @throws error duplicate_request, slot_out_of_range (cached slots), position_out_of_range,
+  /// invalid_argument (`id` is a handle)
+  request_handle add_request(request_key id, const request_options& options = {})
   {
     [[maybe_unused]] const auto inside = threads_.enter("add_request");
     filer_.check_cached_prefix(id, options.cached_slots);
@@ -90,7 +95,12 @@ class host_side {
       throw;
     }
     requests_[h].prompt_length = options.prompt_length;
+    return requests_.handle_of(h);
   }
+
+  /// @brief The handle of a live request (as add_request() returned it).
+  /// @throws error unknown_request
+  [[nodiscard]] request_handle handle(request_key id) const { return requests_.handle_of(requests_.find(id)); }
 
   /// @brief A live request (re)starts with positions [0, cached_slots.size()) served from the
   /// prefix cache, e.g. when it is re-admitted after preemption. Block-slot storage binds those
@@ -105,7 +115,7 @@ class host_side {
     filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial());
   }
 
-  /// @brief Whether a request is live.
+  /// @brief Whether a request (id or handle) is live.
   [[nodiscard]] bool contains(request_key id) const { return requests_.contains(id); }
 
   /// @brief T: one past the highest committed position of a request (files the request's steps

@@ -58,13 +58,17 @@ struct request_state {
 
 /// @brief Live requests: id → dense handle → request_state. Handles are reused; a handle's
 /// generation moves on when its request goes, so rows still in flight for an earlier use of the
-/// handle are recognised and dropped.
+/// handle are recognised and dropped, and a request_handle kept by an engine past its request's end
+/// is refused instead of naming the handle's next request.
 class request_registry {
  public:
-  /// @brief Registers a new id; throws duplicate_request if it is live. Strong: if an allocation
-  /// fails, nothing changed.
+  /// @brief Registers a new id; throws duplicate_request if it is live, invalid_argument for a
+  /// handle. Strong: if an allocation fails, nothing changed.
   std::uint32_t add(request_key key)
   {
+    if (key.is_handle()) {
+      throw error{errc::invalid_argument, "a request is added by its id, not by a handle (" + key.to_string() + ")"};
+    }
     if (ids_.find(key) != ids_.end()) {
       throw error{errc::duplicate_request, "request " + key.to_string() + " was already added"};
     }
@@ -88,9 +92,19 @@ class request_registry {
     return h;
   }
 
-  /// @brief The handle of a live id; throws unknown_request otherwise.
+  /// @brief The handle of a live id, or of a live request_handle (an array access, no hashing);
+  /// throws unknown_request otherwise.
   [[nodiscard]] std::uint32_t find(request_key key) const
   {
+    if (key.is_handle()) {
+      const request_handle h = key.handle();
+      if (h.index < states_.size() && states_[h.index].id != nullptr && states_[h.index].generation == h.generation) {
+        return h.index;
+      }
+      throw error{errc::unknown_request, "request " + key.to_string() +
+                                           " is unknown (its request was released or aborted, or it was never "
+                                           "returned by add_request)"};
+    }
     const auto it = ids_.find(key);
     if (it == ids_.end()) {
       throw error{errc::unknown_request,
@@ -99,8 +113,18 @@ class request_registry {
     return it->second;
   }
 
-  /// @brief Whether an id is live.
-  [[nodiscard]] bool contains(request_key key) const { return ids_.find(key) != ids_.end(); }
+  /// @brief Whether an id (or handle) is live.
+  [[nodiscard]] bool contains(request_key key) const
+  {
+    if (key.is_handle()) {
+      const request_handle h = key.handle();
+      return h.index < states_.size() && states_[h.index].id != nullptr && states_[h.index].generation == h.generation;
+    }
+    return ids_.find(key) != ids_.end();
+  }
+
+  /// @brief The request_handle of a live handle index.
+  [[nodiscard]] request_handle handle_of(std::uint32_t h) const noexcept { return {h, states_[h].generation}; }
 
   /// @brief Retires a handle: its state resets and its generation moves on. Never allocates.
   void remove(std::uint32_t h) noexcept

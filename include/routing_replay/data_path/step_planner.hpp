@@ -79,16 +79,17 @@ class step_planner {
       const std::uint32_t h = requests.find(s.id);
       handles_.push_back(h);
       auto& r = requests[h];
+      // messages name the request by its id, also when the plan names it by handle
       if (r.planned_attempt == attempt_) {
-        throw error{errc::duplicate_request, "step plan schedules request " + s.id.to_string() + " twice"};
+        throw error{errc::duplicate_request, "step plan schedules request " + r.id->to_string() + " twice"};
       }
       r.planned_attempt = attempt_;
-      check_request(s);
+      check_request(s, *r.id);
       if constexpr (Filer::store_type::slot_indexed) {
         try {
           store.check_slots(s.slots, s.num_tokens);
         } catch (const error& e) {
-          throw error{e.code(), "request " + s.id.to_string() + ": " + e.what()};
+          throw error{e.code(), "request " + r.id->to_string() + ": " + e.what()};
         }
       }
       growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
@@ -203,7 +204,7 @@ class step_planner {
     }
   }
 
-  void check_request(const scheduled_request& s) const
+  void check_request(const scheduled_request& s, const request_id& id) const
   {
     // num_tokens >= 0 here: the subtraction cannot overflow, where first_position + num_tokens can
     if (s.first_position < 0 || s.first_position > max_model_len_ - s.num_tokens) {
@@ -211,12 +212,12 @@ class step_planner {
                                  ? std::numeric_limits<std::int64_t>::max()
                                  : s.first_position + s.num_tokens;
       throw error{errc::position_out_of_range,
-                  "request " + s.id.to_string() + ": positions [" + std::to_string(s.first_position) + ", " +
+                  "request " + id.to_string() + ": positions [" + std::to_string(s.first_position) + ", " +
                     std::to_string(end) + ") are outside [0, max_model_len = " + std::to_string(max_model_len_) +
                     ")"};
     }
     if (s.num_draft_tokens < 0 || s.num_draft_tokens > s.num_tokens || s.num_draft_tokens > max_draft_tokens) {
-      throw error{errc::invalid_plan, "request " + s.id.to_string() + ": " + std::to_string(s.num_draft_tokens) +
+      throw error{errc::invalid_plan, "request " + id.to_string() + ": " + std::to_string(s.num_draft_tokens) +
                                         " draft tokens among " + std::to_string(s.num_tokens) + " (at most " +
                                         std::to_string(max_draft_tokens) + ")"};
     }

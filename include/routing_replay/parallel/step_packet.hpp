@@ -216,8 +216,16 @@ class step_packet_writer {
   step_packet_writer(std::int32_t num_layers, std::int32_t top_k) : layers_(num_layers), top_k_(top_k) {}
 
   /// @brief Starts the packet of step `serial` planned by `plan` (the plan's ids are copied).
+  /// @throws error invalid_argument if the plan names a request by handle: a handle is local to the
+  /// replay that returned it, and the scheduler files packets by id
   void begin(const step_plan& plan, std::uint64_t serial)
   {
+    for (const auto& entry : plan.entries()) {
+      if (!entry.skipped && entry.request.id.is_handle()) {
+        throw error{errc::invalid_argument, "step packet: the plan names " + entry.request.id.to_string() +
+                                              "; packets carry request ids (a handle is local to one replay)"};
+      }
+    }
     bytes_.assign(step_packet_view::header_bytes, std::byte{0});
     std::memcpy(bytes_.data(), step_packet_view::magic, 4);
     put_at<std::uint16_t>(4, step_packet_version);
