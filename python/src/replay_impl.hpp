@@ -248,7 +248,7 @@ class replay_impl final : public replay_base {
       // Other element types are converted to int32 in a scratch [N_max, K] first (one more small
       // kernel): capture kernels are compiled for int64, int32 and int16 sources only.
       const auto& c = replay_.config();
-      replay_.layer_slot(model_layer);  // throws unknown_layer before anything is enqueued
+      static_cast<void>(replay_.layer_slot(model_layer));  // throws unknown_layer before anything is enqueued
       check_source(model_layer, ids, num_tokens, o.source_row_offset);
       if (num_tokens > 0) {
         visit_dtype(ids.dtype, [&](auto tag) {
