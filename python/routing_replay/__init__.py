@@ -278,6 +278,7 @@ class Replay:
         # (get_device(): -1 on the CPU) and this replay's current stream, read without building
         # a stream object
         self._device_index = -1 if self._on_host else native.device
+        self._current_stream = None
         if self._on_host:
             default_handle = self.stream_handle(None)  # held from now on
             self._current_stream = lambda: default_handle
@@ -470,6 +471,8 @@ class Replay:
 
     def stream_handle(self, stream=None) -> int:
         """The native handle of a stream argument (see :mod:`routing_replay._arrays`)."""
+        if stream is None and self._current_stream is not None:  # read without a stream object
+            return self._current_stream()
         if self._on_host:
             s = self._default_stream if stream is None else stream
             if s is not self._held_stream:

@@ -10,8 +10,9 @@ and keeps calling ``capture(layer_id, topk_ids)`` inside the forward,
 ``finalize_pending_copy()`` and ``get_routed_experts(req_id, seqlen, free_slot)``.
 
 Underneath, every step is a routing_replay step plan built from the positions the engine hands
-over (never from counters), copies leave the GPU on a side stream (``double_buffered`` by default:
-the host never waits for the step just issued), and rows are filed per request in C++.
+over (never from counters), and rows leave the GPU without the host copying them: by default
+(``device_scatter``) a kernel on a side stream writes each row straight into its request's pinned
+host storage, so the engine's thread neither waits for the step just issued nor files rows.
 
 How the capture fits the library's order: the library wants a step's plan before its forward,
 and this interface gives the positions only after it. So ``capture`` writes a private staging
@@ -50,7 +51,7 @@ class RoutedExpertsCapturer:
             which then only refuses negative ids and ids past that).
         moe_layers: the model layer index of each captured layer (default ``range(num_layers)``).
         index, layout, copy: routing_replay policies (defaults: ``int16``, ``layer_major``,
-            ``double_buffered``); storage is per request.
+            ``device_scatter``: no host work per row on the engine's thread); storage is per request.
         host_memory_limit: cap on host bytes of stored rows.
     """
 
@@ -67,7 +68,7 @@ class RoutedExpertsCapturer:
         moe_layers: Iterable[int] | None = None,
         index: str = "int16",
         layout: str = "layer_major",
-        copy: str = "double_buffered",
+        copy: str = "device_scatter",
         host_memory_limit: int | None = None,
     ) -> None:
         if num_experts is None:

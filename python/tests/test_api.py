@@ -383,6 +383,61 @@ def test_plan_from_positions():
 # ---- block-slot storage ------------------------------------------------------------------------
 
 
+def test_handles_schedule_columnar_plans(device):
+    """add_request returns a handle; a columnar plan of handles files exactly what a plan of ids
+    does; a handle outlives its request only as a refused value; errors name the request's id."""
+    by_id, by_handle = make(device), make(device)
+    handles = {}
+    for rid in ("a", 7, "b"):
+        by_id.add_request(rid)
+        handles[rid] = by_handle.add_request(rid)
+        assert by_handle.handle(rid) == handles[rid]
+    assert len(set(handles.values())) == 3
+    steps = [[("a", 0, 3), (7, 0, 2), ("b", 0, 1)], [(7, 2, 1), ("b", 1, 2), ("a", 3, 1)]]
+    for s, runs in enumerate(steps):
+        ids = routing(sum(n for _, _, n in runs), seed=s)
+        run_step(by_id, device, runs, ids)
+        plan = rr.StepPlan()
+        plan.schedule_handles(np.array([handles[r] for r, _, _ in runs], dtype=np.uint64),
+                              np.array([p for _, p, _ in runs]), [n for _, _, n in runs])
+        assert plan.num_rows == ids.shape[0] and len(plan) == len(runs)
+        with by_handle.step(plan):
+            for layer in range(2):
+                by_handle.capture(layer, device.array(ids[:, layer, :]))
+    for rid in handles:
+        np.testing.assert_array_equal(by_handle.extract(rid, copy=True), by_id.extract(rid, copy=True))
+    # a zero-copy view guards its request against a plan that names it by handle, too
+    view = by_handle.extract("a")
+    plan = rr.StepPlan()
+    plan.schedule_handles([handles["a"]], [4], [1])
+    with pytest.raises(BufferError):
+        by_handle.begin_step(plan)
+    del view
+    # errors name the request by its id
+    plan.clear()
+    plan.schedule_handles([handles["b"]], [40], [1])
+    with pytest.raises(rr.Error) as e:
+        by_handle.begin_step(plan)
+    assert e.value.code == "position_out_of_range" and "'b'" in str(e.value)
+    # a released request's handle is refused, also once its index serves a new request
+    by_handle.release("a")
+    fresh = by_handle.add_request("c")
+    assert fresh != handles["a"]
+    plan.clear()
+    plan.schedule_handles([handles["a"]], [4], [1])
+    with pytest.raises(rr.Error) as e:
+        by_handle.begin_step(plan)
+    assert e.value.code == "unknown_request"
+    # columns of different lengths, and bad counts
+    with pytest.raises(rr.Error) as e:
+        rr.StepPlan().schedule_handles([fresh], [0, 1], [1])
+    assert e.value.code == "invalid_plan"
+    with pytest.raises(rr.Error):
+        rr.StepPlan().schedule_handles([fresh], [0], [-1])
+    with pytest.raises(TypeError):
+        rr.StepPlan().schedule_handles([fresh], [0.5], [1])
+
+
 def test_block_transfers_and_prefix_hits(device):
     replay = make(device, storage="block_slot", block_size=2, num_blocks=8, copy="double_buffered")
     replay.add_request("a")

@@ -67,7 +67,7 @@ def positions_of(device, positions):
     return array
 
 
-@pytest.mark.parametrize("copy", ["sync", "async_event", "double_buffered"])
+@pytest.mark.parametrize("copy", ["sync", "async_event", "double_buffered", "device_scatter"])
 def test_drop_in_matches_plain_reference(device, copy):
     rng = np.random.default_rng(7)
     capturer = RoutedExpertsCapturer(L, K, N_MAX, MAX_LEN, S, device.name, num_experts=E, copy=copy)
@@ -144,7 +144,7 @@ def test_errors_surface(device):
     # a layer the forward did not capture is missing routing, never stale rows from a step before
     for layer in range(L - 1):
         capturer.capture(layer, make_array(device, bad * 0))
-    with pytest.raises(rr.Error) as e:  # double_buffered: reported when the step is filed
+    with pytest.raises(rr.Error) as e:  # deferred strategies: reported when the step is filed
         capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0, 1]), {"a": 2})
         capturer.finalize_pending_copy()
     assert e.value.code == "missing_routing"
@@ -163,7 +163,38 @@ def test_warm_up_rows_are_forgotten(device):
     capturer.reset_device_buffer()
     for layer in range(L - 1):  # the real forward misses a layer: it must not read the dummy rows
         capturer.capture(layer, make_array(device, warm[:2]))
-    with pytest.raises(rr.Error) as e:  # double_buffered: reported when the step is filed
+    with pytest.raises(rr.Error) as e:  # deferred strategies: reported when the step is filed
         capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0, 1]), {"a": 2})
         capturer.finalize_pending_copy()
     assert e.value.code == "missing_routing"
+
+
+def test_request_ids_are_cached_and_forgotten(device):
+    """The drop-in files a step in one pass over vLLM's dict: ids it has seen map to handles, a
+    released id is forgotten (the same id later is a new request), int and str ids stay apart."""
+    capturer = RoutedExpertsCapturer(L, K, N_MAX, MAX_LEN, 0, device.name, num_experts=E)
+    rows = {"r1": np.full((1, K), 3), 1: np.full((1, K), 5)}
+
+    def step(schedule, position):
+        ids = np.concatenate([rows[rid] for rid in schedule]).astype(np.int64)
+        for layer in range(L):
+            capturer.capture(layer, make_array(device, ids))
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [position] * len(schedule)),
+                                              {rid: 1 for rid in schedule})
+
+    step(["r1", 1], 0)
+    step([1, "r1"], 1)
+    capturer.finalize_pending_copy()
+    assert capturer.replay.num_requests == 2
+    np.testing.assert_array_equal(capturer.get_routed_experts("r1"), np.full((2, L, K), 3))
+    assert capturer.replay.num_requests == 1 and "r1" not in capturer.replay
+    step(["r1"], 0)  # the same id again: a new request, its rows start over
+    capturer.finalize_pending_copy()
+    got = capturer.get_routed_experts("r1")
+    assert got.shape == (1, L, K) and (got == 3).all()
+    np.testing.assert_array_equal(capturer.get_routed_experts(1), np.full((2, L, K), 5))
+    with pytest.raises(TypeError):
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [0]), {True: 1})
+    # a step whose requests have no tokens is no step, and what its forward staged is forgotten
+    capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, []), {"r2": 0})
+    assert "r2" not in capturer.replay
