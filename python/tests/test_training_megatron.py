@@ -34,7 +34,7 @@ CUDA = torch.cuda.is_available()
 
 @pytest.fixture(scope="module")
 def parallel_state():
-    """A process group of one (gloo: works without a GPU) and Megatron's model-parallel state."""
+    """A process group of one and Megatron's model-parallel state."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -49,7 +49,10 @@ def parallel_state():
     if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        if CUDA:
+            torch.cuda.set_device(0)
+        # a group of one: NCCL on a GPU (Megatron's collectives take CUDA tensors), gloo elsewhere
+        dist.init_process_group("nccl" if CUDA else "gloo", rank=0, world_size=1)
     ps.initialize_model_parallel()
     if CUDA:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
