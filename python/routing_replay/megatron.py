@@ -45,45 +45,53 @@ def _chunks(model) -> list[torch.nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def router_layers(model) -> list[int]:
+def _instances(model) -> list[tuple[RouterReplay, int, int]]:
+    """(instance, 0-based model layer, chunk index) for every RouterReplay instance, in
+    ``RouterReplay.global_router_replay_instances`` order; raises on instances of other models."""
+    owner: dict[int, tuple[int, int]] = {}
+    for c, chunk in enumerate(_chunks(model)):
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter) and module.router_replay is not None:
+                if module.layer_number is None:
+                    raise ValueError("a TopKRouter has no layer_number: it is not inside a TransformerLayer")
+                owner[id(module.router_replay)] = (int(module.layer_number) - 1, c)
+    instances = RouterReplay.global_router_replay_instances
+    if not instances:
+        raise ValueError("no RouterReplay instances: build the model with "
+                         "TransformerConfig(moe_enable_routing_replay=True)")
+    missing = [i for i, inst in enumerate(instances) if id(inst) not in owner]
+    if missing:
+        raise ValueError(f"RouterReplay instances {missing} (of {len(instances)}) belong to no router of this model; "
+                         "call RouterReplay.clear_global_router_replay_instances() before building the model")
+    if len(owner) != len(instances):
+        raise ValueError(f"the model has {len(owner)} replaying routers but RouterReplay lists {len(instances)}")
+    return [(inst,) + owner[id(inst)] for inst in instances]
+
+
+def router_layers(model, vp_stage: int | None = None) -> list[int]:
     """The 0-based model layer of each ``RouterReplay`` instance, in
-    ``RouterReplay.global_router_replay_instances`` order.
+    ``RouterReplay.global_router_replay_instances`` order (of model chunk ``vp_stage`` only, if given).
 
     ``model``: this rank's model chunk, or its list of chunks (virtual pipeline stages). Every
     instance must belong to a router of ``model``: a stale one (a model built earlier in the process)
     would shift every layer after it, so it raises; clear them with
     ``RouterReplay.clear_global_router_replay_instances()`` before building the model.
     """
-    layer_of: dict[int, int] = {}
-    for chunk in _chunks(model):
-        for module in chunk.modules():
-            if isinstance(module, TopKRouter) and module.router_replay is not None:
-                if module.layer_number is None:
-                    raise ValueError("a TopKRouter has no layer_number: it is not inside a TransformerLayer")
-                layer_of[id(module.router_replay)] = int(module.layer_number) - 1
-    instances = RouterReplay.global_router_replay_instances
-    if not instances:
-        raise ValueError("no RouterReplay instances: build the model with "
-                         "TransformerConfig(moe_enable_routing_replay=True)")
-    missing = [i for i, inst in enumerate(instances) if id(inst) not in layer_of]
-    if missing:
-        raise ValueError(f"RouterReplay instances {missing} (of {len(instances)}) belong to no router of this model; "
-                         "call RouterReplay.clear_global_router_replay_instances() before building the model")
-    if len(layer_of) != len(instances):
-        raise ValueError(f"the model has {len(layer_of)} replaying routers but RouterReplay lists {len(instances)}")
-    return [layer_of[id(inst)] for inst in instances]
+    return [layer for _, layer, c in _instances(model) if vp_stage is None or c == vp_stage]
 
 
 def replay_tensors(model, routing, *, layer_map: training.LayerMap, packed: bool = False, cu_seqlens_padded=None,
                    cp_size: int | None = None, cp_rank: int | None = None, tp_size: int | None = None,
-                   tp_rank: int | None = None, sequence_parallel: bool | None = None,
+                   tp_rank: int | None = None, sequence_parallel: bool | None = None, vp_stage: int | None = None,
                    device: Any = None) -> list[torch.Tensor]:
     """The ``[tokens, K]`` int64 tensors ``RouterReplay.set_replay_data`` takes on this rank.
 
     ``routing``: the whole batch, padded ``[B, S, L, K]`` (:func:`training.padded_batch`) or packed
     ``[N, L, K]`` (``packed=True``, with ``cu_seqlens_padded`` from :func:`training.packed_batch`),
     its layer axis as ``layer_map`` describes (MoE layers only, or all layers). Ranks and
-    ``sequence_parallel`` default to Megatron's ``parallel_state`` and the model's config. Rows with
+    ``sequence_parallel`` default to Megatron's ``parallel_state`` and the model's config.
+    ``vp_stage``: only the routers of model chunk ``vp_stage`` (``model`` is the list of chunks),
+    for interleaved schedules that run another micro-batch on each chunk. Rows with
     no routing (the sentinel) or ids outside ``[0, num_moe_experts)`` raise, naming the layer:
     a replaying router gathers at every row, padding included (build batches with
     ``pad_rows="first_k"`` and a ``final_token`` rule other than ``"sentinel"``).
@@ -103,7 +111,7 @@ def replay_tensors(model, routing, *, layer_map: training.LayerMap, packed: bool
         tp_rank = ps.get_tensor_model_parallel_rank() if initialized else 0
     if sequence_parallel is None:
         sequence_parallel = bool(config.sequence_parallel)
-    layers = router_layers(chunks)
+    layers = router_layers(chunks, vp_stage)
     local = training.megatron_token_order(routing, packed=packed, cu_seqlens_padded=cu_seqlens_padded,
                                           cp_size=cp_size, cp_rank=cp_rank, tp_size=tp_size, tp_rank=tp_rank,
                                           sequence_parallel=sequence_parallel and tp_size > 1)
@@ -125,29 +133,40 @@ def replay_tensors(model, routing, *, layer_map: training.LayerMap, packed: bool
 
 
 def set_replay_data(model, routing, *, layer_map: training.LayerMap, action=RouterReplayAction.REPLAY_FORWARD,
-                    **kwargs) -> list[torch.Tensor]:
-    """Hands ``routing`` to the routers through ``RouterReplay.set_replay_data`` and sets ``action``
-    on all of them (``REPLAY_FORWARD``; ``None`` leaves the actions alone). Arguments as
-    :func:`replay_tensors`; returns the tensors handed over.
+                    vp_stage: int | None = None, **kwargs) -> list[torch.Tensor]:
+    """Hands ``routing`` to the routers and sets ``action`` on them (``REPLAY_FORWARD``; ``None``
+    leaves the actions alone). Arguments as :func:`replay_tensors`; returns the tensors handed over.
 
-    ``set_target_indices`` also queues each tensor for ``REPLAY_BACKWARD`` (activation recompute
-    replays them in the backward pass); ``RouterReplay.clear_global_indices()`` empties the queue.
+    All routers: ``RouterReplay.set_replay_data``. One model chunk (``vp_stage``): the
+    ``set_target_indices`` of that chunk's instances, the others untouched. ``set_target_indices``
+    also queues each tensor for ``REPLAY_BACKWARD`` (activation recompute replays them in the
+    backward pass); ``RouterReplay.clear_global_indices()`` empties the queue.
     """
-    tensors = replay_tensors(model, routing, layer_map=layer_map, **kwargs)
-    RouterReplay.set_replay_data(tensors)
-    if action is not None:
-        RouterReplay.set_global_router_replay_action(action)
+    tensors = replay_tensors(model, routing, layer_map=layer_map, vp_stage=vp_stage, **kwargs)
+    if vp_stage is None:
+        RouterReplay.set_replay_data(tensors)
+        if action is not None:
+            RouterReplay.set_global_router_replay_action(action)
+        return tensors
+    chunk = [inst for inst, _, c in _instances(model) if c == vp_stage]
+    for inst, tensor in zip(chunk, tensors):
+        inst.set_target_indices(tensor)
+        if action is not None:
+            inst.set_router_replay_action(action)
     return tensors
 
 
 @contextlib.contextmanager
-def replay(model, routing, *, layer_map: training.LayerMap, **kwargs) -> Iterator[Sequence[torch.Tensor]]:
-    """``with replay(model, batch, layer_map=...)``: routers replay ``batch`` inside the block; the
-    indices and actions are cleared on exit (also when the block raises), so a later forward routes
-    on its own again."""
-    tensors = set_replay_data(model, routing, layer_map=layer_map, **kwargs)
+def replay(model, routing, *, layer_map: training.LayerMap, vp_stage: int | None = None,
+           **kwargs) -> Iterator[Sequence[torch.Tensor]]:
+    """``with replay(model, batch, layer_map=...)``: routers replay ``batch`` inside the block (all of
+    them, or those of chunk ``vp_stage``); their indices and actions are cleared on exit (also when
+    the block raises), so a later forward routes on its own again."""
+    tensors = set_replay_data(model, routing, layer_map=layer_map, vp_stage=vp_stage, **kwargs)
     try:
         yield tensors
     finally:
-        RouterReplay.clear_global_indices()
-        RouterReplay.clear_global_router_replay_action()
+        for inst, _, c in _instances(model):
+            if vp_stage is None or c == vp_stage:
+                inst.clear_indices()
+                inst.clear_router_replay_action()

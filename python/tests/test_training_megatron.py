@@ -105,11 +105,12 @@ def random_routing(rng, rows: int, layers: int) -> np.ndarray:
 
 
 def routers(model):
-    """The replaying TopKRouters in RouterReplay instance order."""
+    """The model's replaying TopKRouters in RouterReplay instance order."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     by_instance = {id(m.router_replay): m for m in model.modules() if isinstance(m, TopKRouter)}
-    return [by_instance[id(inst)] for inst in rrm.RouterReplay.global_router_replay_instances]
+    return [by_instance[id(inst)] for inst in rrm.RouterReplay.global_router_replay_instances
+            if id(inst) in by_instance]
 
 
 def ref_cp_tokens(n: int, cp: int, rank: int) -> list[int]:
@@ -170,6 +171,33 @@ def test_routers_replay_packed_batch(parallel_state):
                 for i, token in enumerate(tokens):
                     want = packed.routing[token, MOE_LAYERS[slot]]  # all-layer routing: model layer index
                     assert sorted(torch.nonzero(routing_map[i]).flatten().tolist()) == sorted(want.tolist())
+
+
+def test_replay_one_model_chunk(parallel_state):
+    """vp_stage: only the routers of that chunk get indices and the action; the others, none.
+    (A world of one cannot build real virtual stages, whose layer offsets Megatron requires PP > 1
+    for: two models stand for two chunks here, their instances listed one after the other.)"""
+    rrm.RouterReplay.clear_global_router_replay_instances()
+    chunks = [build_model(), None]
+    saved = list(rrm.RouterReplay.global_router_replay_instances)
+    chunks[1] = build_model(seed=1)  # build_model clears the list: put chunk 0's instances back first
+    rrm.RouterReplay.global_router_replay_instances[:0] = saved
+    assert rrm.router_layers(chunks) == MOE_LAYERS * 2
+    assert rrm.router_layers(chunks, 1) == MOE_LAYERS
+    layer_map = rrt.LayerMap(MOE_LAYERS, len(LAYER_FREQ))
+    batch = rrt.padded_batch([random_routing(np.random.default_rng(7), 4, 3)], np.ones((1, 4)),
+                             final_token="refuse", pad_rows="first_k")
+    with rrm.replay(chunks, batch, layer_map=layer_map, vp_stage=1, device="cpu") as tensors:
+        assert len(tensors) == len(MOE_LAYERS)
+        for c, chunk in enumerate(chunks):
+            for slot, router in enumerate(routers(chunk)):
+                replay = router.router_replay
+                if c == 0:
+                    assert replay.target_topk_idx is None and replay.router_replay_action is None
+                else:
+                    assert replay.router_replay_action == rrm.RouterReplayAction.REPLAY_FORWARD
+                    assert replay.target_topk_idx.tolist() == batch[0, :, slot].tolist()
+    assert all(r.router_replay.target_topk_idx is None for r in routers(chunks[1]))
 
 
 def test_replay_errors(parallel_state):
