@@ -299,7 +299,7 @@ class LayerMap:
         routing = np.asarray(routing)
         size = routing.shape[axis]
         if size == len(self.moe_layers):
-            source = {layer: i for layer, i in self._slot.items()}
+            source = self._slot
         elif size == self.num_layers:
             source = {layer: layer for layer in self.moe_layers}
         else:
@@ -457,7 +457,7 @@ def megatron_token_order(routing, *, packed: bool, cu_seqlens_padded=None, cp_si
     return np.ascontiguousarray(s_b).reshape((-1,) + routing.shape[2:])
 
 
-_TORCH_DTYPES = {"int16": "int16", "int32": "int32", "int64": "int64", "uint8": "uint8", "int8": "int8"}
+_TORCH_DTYPES = ("int8", "uint8", "int16", "int32", "int64")
 
 
 def to_torch(routing, *, dtype: str = "int64", device: Any = "cpu"):
@@ -468,6 +468,6 @@ def to_torch(routing, *, dtype: str = "int64", device: Any = "cpu"):
 
     name = str(dtype).replace("torch.", "")
     if name not in _TORCH_DTYPES:
-        raise ValueError(f"dtype is one of {sorted(_TORCH_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype is one of {_TORCH_DTYPES}, got {dtype!r}")
     array = np.ascontiguousarray(convert(np.asarray(routing), name))
     return torch.from_numpy(array).to(device)
