@@ -337,7 +337,9 @@ def pipeline_layers(num_layers: int, pp_size: int, pp_rank: int, vpp_size: int |
     owns chunk ``v * pp_size + p`` (the interleaved schedule). ``first_stage_layers`` /
     ``last_stage_layers`` (Megatron's ``num_layers_in_first/last_pipeline_stage``) give the first
     and last stages their own counts, split evenly over their virtual stages; the remaining layers
-    are split evenly over the middle stages. A split that does not divide raises.
+    are split evenly over the middle stages. A split that does not divide raises. Megatron's
+    ``pipeline_model_parallel_layout`` and ``account_for_embedding/loss_in_pipeline_split`` are not
+    modelled (:mod:`routing_replay.megatron` reads the layers from the routers instead).
     """
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank {pp_rank} outside a pipeline of {pp_size} stages")

@@ -316,3 +316,26 @@ def test_closed_loop_forward(parallel_state):
     assert result["max_logit_diff"] < LOGIT_TOLERANCE, result
     shifted = closed_loop("cuda", shift_request=2)
     assert shifted["wrong_rows"] > 0 and shifted["max_logit_diff"] > LOGIT_TOLERANCE, shifted
+
+
+@pytest.mark.parametrize("pp,vpp,num_layers,first,last", [
+    (2, None, 8, None, None), (4, 2, 16, None, None), (3, 2, 12, None, None), (4, None, 10, 1, 3),
+    (3, 2, 14, 2, 4), (2, 3, 12, None, 6)])
+def test_pipeline_layers_match_megatron(pp, vpp, num_layers, first, last):
+    """training.pipeline_layers against megatron-core's own get_transformer_layer_offset and
+    get_num_layers_to_build."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4,
+                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                               num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                               pipeline_dtype=torch.float32, use_cpu_initialization=True)
+    for p in range(pp):
+        for v in range(vpp or 1):
+            layers = rrt.pipeline_layers(num_layers, pp, p, vpp, v if vpp else None, first_stage_layers=first,
+                                         last_stage_layers=last)
+            vp_stage = v if vpp else None
+            assert layers[0] == get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=p)
+            assert len(layers) == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=p)
