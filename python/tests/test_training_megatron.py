@@ -8,8 +8,8 @@
   small MoE GPTModel records each request's routing alone, the routing travels as vLLM's base64
   field into a right-padded batch, and the batch's forward under replay uses the recorded experts
   for every token and layer, with logits equal to the rollout's; with router weights perturbed, the
-  replayed experts stay the recorded ones; with one request's routing shifted by one position, the
-  check fails.
+  replayed experts stay the recorded ones, also in a training step, whose backward reaches the
+  router weights; with one request's routing shifted by one position, the check fails.
 """
 
 from __future__ import annotations
@@ -274,16 +274,22 @@ def closed_loop(device, shift_request: int | None = None) -> dict:
                 router.weight.add_(torch.randn_like(router.weight))
         with rrm.replay(model, batch, layer_map=layer_map, device=device):
             forward(model, tokens, device)
-        free = forward(model, tokens, device)  # perturbed routers, no replay
-        del free
+        model.train()  # a training step under replay: same experts, and the routers get gradients
+        with rrm.replay(model, batch, layer_map=layer_map, device=device):
+            ids = torch.from_numpy(tokens).to(device)
+            model(ids, torch.arange(ids.shape[1], device=device).expand_as(ids), None).float().pow(2).mean().backward()
+        model.eval()
+        router_grads = all(r.weight.grad is not None and r.weight.grad.abs().sum().item() > 0 for r in routers(model))
+        forward(model, tokens, device)  # perturbed routers, no replay
     finally:
         for h in handles:
             h.remove()
+    assert all(len(maps) == 4 for maps in seen), [len(maps) for maps in seen]
     wrong_rows = wrong_rows_perturbed = own_choice_differs = 0
     max_logit_diff = 0.0
     b_size = len(prompts)
     for slot in range(len(MOE_LAYERS)):
-        for call, maps in ((0, seen[slot][0]), (1, seen[slot][1]), (2, seen[slot][2])):
+        for call, maps in enumerate(seen[slot]):  # replay, replay perturbed, training step, own choice
             for b, p in enumerate(prompts):
                 want_all = truth[b]
                 for t in range(len(p) - 1):  # tokens the rollout routed
@@ -291,7 +297,7 @@ def closed_loop(device, shift_request: int | None = None) -> dict:
                     want = sorted(want_all[t, slot].tolist())
                     if call == 0:
                         wrong_rows += got != want
-                    elif call == 1:
+                    elif call in (1, 2):
                         wrong_rows_perturbed += got != want
                     else:
                         own_choice_differs += got != want
@@ -300,7 +306,7 @@ def closed_loop(device, shift_request: int | None = None) -> dict:
         diff = (logits[b, :n] - rollout_logits[b][:n]).abs().max().item()
         max_logit_diff = max(max_logit_diff, diff)
     return {"wrong_rows": wrong_rows, "wrong_rows_perturbed": wrong_rows_perturbed,
-            "own_choice_differs": own_choice_differs, "max_logit_diff": max_logit_diff,
+            "own_choice_differs": own_choice_differs, "max_logit_diff": max_logit_diff, "router_grads": router_grads,
             "rows": sum(n - 1 for n in lengths) * len(MOE_LAYERS)}
 
 
@@ -313,6 +319,7 @@ def test_closed_loop_forward(parallel_state):
     print("megatron closed loop:", result)
     assert result["wrong_rows"] == 0 and result["wrong_rows_perturbed"] == 0, result
     assert result["own_choice_differs"] > 0, result  # the perturbation did change the routers' own choice
+    assert result["router_grads"], result
     assert result["max_logit_diff"] < LOGIT_TOLERANCE, result
     shifted = closed_loop("cuda", shift_request=2)
     assert shifted["wrong_rows"] > 0 and shifted["max_logit_diff"] > LOGIT_TOLERANCE, shifted
