@@ -6,13 +6,13 @@ logits at those experts and normalised as the model's config says, so the forwar
 rollout's experts and the gradients reach the router weights as in an ordinary training forward.
 
 Routers this knows (transformers 5.x; each returns ``(router_logits, weights, indices)`` and the MoE
-block feeds ``weights`` and ``indices`` to its experts):
+block feeds ``weights`` and ``indices`` to its experts), and the weights at the recorded experts:
 
-| router class | weights at the recorded experts |
-|---|---|
-| ``Qwen3MoeTopKRouter`` (Qwen3-MoE) | ``softmax(logits)`` gathered, divided by their sum if ``norm_topk_prob``, cast to the logits' dtype |
-| ``MixtralTopKRouter`` (Mixtral) | ``softmax(logits)`` gathered, divided by their sum |
-| ``DeepseekV3TopkRouter`` (DeepSeek-V3) | ``sigmoid(logits)`` gathered (the correction bias only chooses), divided by sum + 1e-20 if ``norm_topk_prob``, times ``routed_scaling_factor`` |
+- ``Qwen3MoeTopKRouter`` (Qwen3-MoE): ``softmax(logits)`` gathered, divided by their sum if
+  ``norm_topk_prob``, cast to the logits' dtype;
+- ``MixtralTopKRouter`` (Mixtral): ``softmax(logits)`` gathered, divided by their sum;
+- ``DeepseekV3TopkRouter`` (DeepSeek-V3): ``sigmoid(logits)`` gathered (the correction bias only
+  chooses), divided by their sum + 1e-20 if ``norm_topk_prob``, times ``routed_scaling_factor``.
 
 Other routers with the same interface can be added with :func:`register_router`.
 

@@ -19,14 +19,16 @@ through the model), ``L`` layers on the routing's layer axis, ``K`` top-k.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import os
+import pickle
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from . import from_base64_npy
 
 __all__ = [
     "FINAL_TOKEN_RULES",
@@ -81,11 +83,10 @@ def load_routing(source: Any) -> np.ndarray:
     """
     if isinstance(source, str):
         try:
-            raw = base64.b64decode(source, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise ValueError("a str routing source is vLLM's base64 `routed_experts` field, and this one is not "
-                             f"base64 ({e}); pass a .npy file as pathlib.Path") from None
-        array = np.load(io.BytesIO(raw), allow_pickle=False)
+            array = from_base64_npy(source)
+        except (binascii.Error, ValueError, EOFError, pickle.UnpicklingError) as e:
+            raise ValueError("a str routing source is vLLM's base64 `routed_experts` field, and this one does not "
+                             f"decode into a .npy file ({e}); pass a .npy file as pathlib.Path") from None
     elif isinstance(source, (bytes, bytearray, memoryview)):
         array = np.load(io.BytesIO(bytes(source)), allow_pickle=False)
     elif isinstance(source, os.PathLike):

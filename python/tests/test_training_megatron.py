@@ -35,10 +35,9 @@ CUDA = torch.cuda.is_available()
 @pytest.fixture(scope="module")
 def parallel_state():
     """A process group of one and Megatron's model-parallel state."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         # megatron-core 0.16.1 without Transformer Engine: router_gating_linear tests
@@ -79,8 +78,9 @@ def build_model(seed: int = 0):
         add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, moe_router_dtype="fp32")
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-                     vocab_size=VOCAB, max_sequence_length=128, position_embedding_type="rope")
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
+                     position_embedding_type="rope")
     return model.eval()
 
 
