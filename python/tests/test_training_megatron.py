@@ -346,3 +346,31 @@ def test_pipeline_layers_match_megatron(pp, vpp, num_layers, first, last):
             vp_stage = v if vpp else None
             assert layers[0] == get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=p)
             assert len(layers) == get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=p)
+
+
+class _Group:
+    """Stands for a context-parallel process group of `size` ranks, seen from `rank`: all that
+    Megatron's get_batch_on_this_cp_rank asks of a group is its size() and rank()."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_split_matches_megatron(parallel_state, cp):
+    """training.context_parallel_split against megatron-core's own get_batch_on_this_cp_rank."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    b, s = 3, 2 * cp * 4
+    token = np.arange(b * s).reshape(b, s)
+    routing = token[:, :, None, None]  # [B, S, L = 1, K = 1]: each row holds its token's index
+    for rank in range(cp):
+        theirs = get_batch_on_this_cp_rank({"tokens": torch.from_numpy(token.copy())}, cp_group=_Group(cp, rank))
+        ours = rrt.context_parallel_split(routing, cp, rank)[:, :, 0, 0]
+        assert theirs["tokens"].tolist() == ours.tolist()
