@@ -45,9 +45,10 @@ def moe_layers(model: Qwen3MoeForCausalLM) -> list[int]:
 
 @torch.inference_mode()
 def generate(model, prompts, new_tokens: int, device: str, replay: rr.Replay | None = None,
-             batch: PaddedBatch | None = None) -> np.ndarray:
+             batch: PaddedBatch | None = None, logits_out: list | None = None) -> np.ndarray:
     """Greedy decode; with a replay, each forward is a routing_replay step whose routers are
-    captured by forward hooks, and the reference top-k is recomputed from the router logits."""
+    captured by forward hooks, and the reference top-k is recomputed from the router logits.
+    `logits_out` (a list) receives each step's logits [B, tokens of the step, V] (r3_closed_loop.py)."""
     hooks = []
     layers = moe_layers(model)
     step_logits: dict[int, torch.Tensor] = {}
@@ -66,12 +67,15 @@ def generate(model, prompts, new_tokens: int, device: str, replay: rr.Replay | N
 
     def step(plan, **inputs):
         if replay is None:
-            return model(**inputs, use_cache=True)
-        with replay.step(plan):
             out = model(**inputs, use_cache=True)
-        for slot, logits in step_logits.items():  # the reference: top-k of the router's softmax
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-            batch.record(slot, torch.topk(probs, top_k, dim=-1).indices.cpu().numpy())
+        else:
+            with replay.step(plan):
+                out = model(**inputs, use_cache=True)
+            for slot, logits in step_logits.items():  # the reference: top-k of the router's softmax
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+                batch.record(slot, torch.topk(probs, top_k, dim=-1).indices.cpu().numpy())
+        if logits_out is not None:
+            logits_out.append(out.logits)
         return out
 
     try:

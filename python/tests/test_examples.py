@@ -53,3 +53,12 @@ def test_hf_qwen3_moe(tmp_path, capsys, device):
 @requires_cuda
 def test_hf_qwen3_moe_device_scatter():
     assert load("hf_qwen3_moe").main(["--copy", "device_scatter", "--storage", "block_slot", "--new-tokens", "8"]) == 0
+
+
+@requires_transformers
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=requires_cuda), "cpu"])
+def test_r3_closed_loop(tmp_path, capsys, device):
+    assert load("r3_closed_loop").main(["--device", device, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("-> PASS") == 2
+    assert sorted(os.listdir(tmp_path)) == ["routed_experts.json", "summary.json"]
