@@ -202,6 +202,9 @@ class Replay:
         num_model_layers: layers of the model (0: one past the last MoE layer).
         block_size, num_blocks: KV blocks (``block_slot`` storage).
         host_memory_limit: cap on host bytes of stored rows (None: no cap).
+        host_memory_ahead: per-request storage: host bytes a worker thread keeps mapped and faulted
+            in ahead of need, so steps of new requests do not map fresh pages (None: one full step's
+            rows; 0: no thread).
         overwrite_recomputed_rows: preemption: keep the latest routing of a position, not the first.
         copy_stream: the side stream copies run on (side-stream strategies; default: the replay's
             own). It must outlive the replay; the replay keeps a reference to it.
@@ -229,6 +232,7 @@ class Replay:
         block_size: int = 0,
         num_blocks: int = 0,
         host_memory_limit: int | None = None,
+        host_memory_ahead: int | None = None,
         overwrite_recomputed_rows: bool = False,
         copy_stream=None,
         _staging: bool = False,
@@ -245,6 +249,8 @@ class Replay:
         config.num_blocks = num_blocks
         if host_memory_limit is not None:
             config.host_memory_limit = host_memory_limit
+        if host_memory_ahead is not None:
+            config.host_memory_ahead = host_memory_ahead
         config.overwrite_recomputed_rows = overwrite_recomputed_rows
         for value, allowed, what in ((index, INDEX_TYPES, "index"), (layout, LAYOUTS, "layout"),
                                      (copy, COPY_STRATEGIES, "copy"), (storage, STORAGES, "storage")):

@@ -590,6 +590,8 @@ NB_MODULE(_core, m)
     .def_rw("block_size", &rr::replay_config::block_size, "block_slot storage: tokens per KV block")
     .def_rw("num_blocks", &rr::replay_config::num_blocks, "block_slot storage: KV blocks")
     .def_rw("host_memory_limit", &rr::replay_config::host_memory_limit, "cap on host bytes of stored rows")
+    .def_rw("host_memory_ahead", &rr::replay_config::host_memory_ahead,
+            "per-request storage: host bytes a worker thread keeps mapped ahead of need (-1: one step's rows; 0: none)")
     .def_rw("overwrite_recomputed_rows", &rr::replay_config::overwrite_recomputed_rows,
             "preemption: keep the latest routing of a position instead of the first");
 

@@ -26,6 +26,9 @@ inline routing_replay::replay_config small_config(bool overwrite_recomputed_rows
   c.num_model_layers         = 3;
   c.block_size               = 4;
   c.num_blocks               = 8;
+  // no worker thread mapping memory ahead: the fault sweeps built on this configuration count, and
+  // fail, the backend operations and allocations of the engine's thread, in order
+  c.host_memory_ahead = 0;
   return c;
 }
 

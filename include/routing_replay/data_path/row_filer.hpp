@@ -135,15 +135,29 @@ class row_filer {
 
   // --- claims ------------------------------------------------------------------------------------
 
-  /// @brief Claims the rows of one scheduled request of `step` and hands each claimed one to
-  /// `place(claim, row)`. A row goes where the store says (first write wins unless rows of
-  /// recomputed positions overwrite); a tentative draft row yields to any later write of its
-  /// position; rows of drafts already rejected are skipped. `taken` (claims when planned) collects
-  /// the draft rows taken over, for a discard to give back.
+  /// @brief Claims the rows of one scheduled request of `step` and hands each claimed range to
+  /// `place(claim, first_row, rows)`: `rows` consecutive rows of the step go to consecutive rows at
+  /// `claim.dst`. A row goes where the store says (first write wins unless rows of recomputed
+  /// positions overwrite); a tentative draft row yields to any later write of its position; rows of
+  /// drafts already rejected are skipped. `taken` (claims when planned) collects the draft rows
+  /// taken over, for a discard to give back.
   template <class Place>
   void claim_run(const step_run& run, request_state& r, const step_record<Index>& step, Place&& place,
                  std::vector<taken_draft>* taken_drafts = nullptr)
   {
+    if constexpr (!Store::slot_indexed) {
+      // New positions of a request with no draft pending (every decode step and prefill chunk):
+      // one claim and one placement for the run, not one per row. Anything else (a recomputed
+      // position, drafts) takes the row-by-row path below.
+      if (run.num_draft == 0 && run.num_tokens > 0 && r.drafts.empty()) {
+        if (Index* dst = store_.claim_fresh(run.handle, run.first_position, run.num_tokens, step.serial)) {
+          place(detail::row_claim<Index>{dst, nullptr, detail::row_claim<Index>::no_claim}, run.first_row,
+                std::int64_t{run.num_tokens});
+          r.recorded_rows = std::max(r.recorded_rows, run.first_position + run.num_tokens);
+          return;
+        }
+      }
+    }
     draft_group* group = nullptr;
     if (run.num_draft > 0) {
       for (auto& g : r.drafts) {
@@ -163,7 +177,7 @@ class row_filer {
       const bool taken     = take_over_draft(r, run.handle, position, taken_drafts);  // always: ownership must move
       const auto c         = store_.claim(run.handle, position, slot, planned, step.serial, taken || overwrite_);
       if (c.dst != nullptr) {
-        place(c, run.first_row + i);
+        place(c, run.first_row + i, std::int64_t{1});
         // a tentative row owns its slot only if it is its own (not an earlier row that followed)
         if (tentative && c.copy_from == nullptr) { group->owned |= 1u << d; }
       }
@@ -187,15 +201,15 @@ class row_filer {
       run.recorded_before = r.recorded_rows;
       claim_run(
         run, r, step,
-        [&](detail::row_claim<Index> c, std::int64_t row) {
-          const bool replaces = c.replaced != detail::row_claim<Index>::no_claim;
+        [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) {
+          const bool replaces = c.replaced != detail::row_claim<Index>::no_claim;  // single rows only
           if (replaces) {
             const std::int64_t i    = row - run.first_row;
             const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
             step.replaced.push_back({run.handle, run.first_position + i, slot, c.replaced});  // reserved
           }
           std::int64_t src = row * row_elems_;
-          store_.device_pieces(run.handle, c.dst, row_elems_, [&](Index* dst, std::int64_t elems) {
+          store_.device_pieces(run.handle, c.dst, rows * row_elems_, [&](Index* dst, std::int64_t elems) {
             add_piece(step.ops, {dst, c.copy_from, src, elems, replaces});
             src += elems;
             if (c.copy_from != nullptr) { c.copy_from += elems; }
@@ -232,8 +246,9 @@ class row_filer {
     }
     if constexpr (Site == scatter_site::host) {
       const auto row_bytes = static_cast<std::size_t>(row_elems_) * sizeof(Index);
-      auto place           = [&](detail::row_claim<Index> c, std::int64_t row) {
-        std::memcpy(c.dst, c.copy_from != nullptr ? c.copy_from : staging + row * row_elems_, row_bytes);
+      auto place           = [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) {
+        std::memcpy(c.dst, c.copy_from != nullptr ? c.copy_from : staging + row * row_elems_,
+                    static_cast<std::size_t>(rows) * row_bytes);
       };
       if constexpr (claims_when_planned) {
         for (const auto& op : step.ops) {

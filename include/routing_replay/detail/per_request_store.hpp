@@ -68,7 +68,8 @@ class per_request_store {
       max_rows_(config.max_model_len),
       limit_(config.host_memory_limit),
       base_(segment_base(row_bytes_)),
-      arena_(base_, order_for(base_, static_cast<std::size_t>(max_rows_) * row_bytes_))
+      arena_(base_, order_for(base_, static_cast<std::size_t>(max_rows_) * row_bytes_),
+             superblocks_ahead(config, row_bytes_, base_ << order_for(base_, static_cast<std::size_t>(max_rows_) * row_bytes_)))
   {
     // parking and adopting never allocate: close() and undo_reserve() must not fail
     parked_.reserve(max_parked);
@@ -169,8 +170,11 @@ class per_request_store {
     const std::size_t bytes = arena_.block_bytes(order);
     evict_parked_beyond(bytes);
     const auto segment = arena_.allocate(order);
-    // populated now, in one call, rather than page by page as the host first touches the rows
-    if (::mmap(r.view + r.capacity, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, arena_.fd(),
+    // Where the host files the rows, the range is populated now, in one call, rather than page by
+    // page as filing first touches it. Where kernels write them (at the arena's addresses), the
+    // host's range is first read at extraction: its page-table entries wait until then.
+    constexpr int populate = RowMemory::device_writable ? 0 : MAP_POPULATE;
+    if (::mmap(r.view + r.capacity, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | populate, arena_.fd(),
                static_cast<off_t>(segment.offset)) == MAP_FAILED) {
       arena_.release(segment);
       throw_system_error("mmap of a row segment");
@@ -227,6 +231,19 @@ class per_request_store {
     const std::uint64_t replaced = by != 0 ? by : row_claim<Index>::no_claim;
     by                           = step;
     return {row_at(r, position), nullptr, replaced};
+  }
+
+  /// @brief Claims positions [first, first + count) of `h` for step `step` as one range if none of
+  /// them holds a claim (new tokens: every decode step and prefill chunk), and returns the host
+  /// address of the first row (the range is contiguous); nullptr, and nothing changed, if one does.
+  [[nodiscard]] Index* claim_fresh(std::uint32_t h, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
+  {
+    auto& r          = rows_[h];
+    std::uint64_t* by = r.claimed_by.data() + first;
+    if (std::any_of(by, by + count, [](std::uint64_t c) { return c != 0; })) { return nullptr; }
+    std::fill_n(by, count, step);
+    r.last_claim = std::max(r.last_claim, step);
+    return row_at(r, first);
   }
 
   /// @brief A discarded step `serial` gives back its claim of (`h`, `position`), which replaced the
@@ -397,6 +414,17 @@ class per_request_store {
     typename arena_type::block segment;
     std::uint64_t last_claim;  // released once every step up to it has been filed
   };
+
+  // Superblocks of `superblock` bytes the arena keeps ready (config.host_memory_ahead): enough for
+  // the bytes asked for (by default a full step of new rows), plus one, since a step's segments
+  // rarely fill superblocks exactly.
+  static std::size_t superblocks_ahead(const replay_config& config, std::size_t row_bytes, std::size_t superblock)
+  {
+    const std::size_t ahead = config.host_memory_ahead >= 0
+                                ? static_cast<std::size_t>(config.host_memory_ahead)
+                                : static_cast<std::size_t>(config.max_tokens_per_step) * row_bytes;
+    return ahead == 0 ? 0 : (ahead + superblock - 1) / superblock + 1;
+  }
 
   // The smallest segment: a page multiple of at least 16 rows.
   static std::size_t segment_base(std::size_t row_bytes)

@@ -12,12 +12,17 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -39,6 +44,12 @@ namespace routing_replay::detail {
 /// release() never allocates (a request's rows are freed by release and abort, which must not fail
 /// half-way): the arena keeps a spare free-list node for every block handed out, made when the block
 /// is allocated.
+///
+/// With `ahead` superblocks asked for, a worker thread keeps that many mapped, faulted in and
+/// registered before they are needed, and a step that runs out of free blocks takes one of them
+/// instead of mapping fresh pages on the engine's thread (first touch of shared memory, and
+/// registration, cost about as much as filing the rows). The worker touches nothing but those
+/// superblocks; the free lists and the superblock table stay the engine thread's alone.
 template <class RowMemory>
 class row_arena {
  public:
@@ -48,12 +59,21 @@ class row_arena {
     int order            = 0;  ///< the block holds base << order bytes
   };
 
-  /// @brief An arena of blocks of `base` (a multiple of the page size) to `base << max_order` bytes.
-  row_arena(std::size_t base, int max_order)
-    : base_(base), max_order_(max_order), free_(static_cast<std::size_t>(max_order) + 1)
+  /// @brief An arena of blocks of `base` (a multiple of the page size) to `base << max_order` bytes,
+  /// with `ahead` superblocks kept ready by a worker thread (0: none, no thread).
+  row_arena(std::size_t base, int max_order, std::size_t ahead = 0)
+    : base_(base),
+      max_order_(max_order),
+      free_(static_cast<std::size_t>(max_order) + 1),
+      provision_(std::make_unique<provisioning>())
   {
     fd_ = ::memfd_create("routing_replay_rows", MFD_CLOEXEC);
     if (fd_ < 0) { throw_system_error("memfd_create"); }
+    if (ahead > 0) {
+      provision_->wanted = ahead;
+      provision_->ready.reserve(ahead);
+      worker_ = std::thread{[p = provision_.get(), fd = fd_, bytes = superblock_bytes()] { provide(*p, fd, bytes); }};
+    }
   }
   row_arena(row_arena&& other) noexcept
     : base_(other.base_),
@@ -64,7 +84,9 @@ class row_arena {
       spare_(std::move(other.spare_)),
       nodes_(std::exchange(other.nodes_, 0)),
       blocks_out_(std::exchange(other.blocks_out_, 0)),
-      in_use_(std::exchange(other.in_use_, 0))
+      in_use_(std::exchange(other.in_use_, 0)),
+      provision_(std::move(other.provision_)),
+      worker_(std::move(other.worker_))
   {
   }
   row_arena& operator=(row_arena&& other) noexcept
@@ -78,15 +100,32 @@ class row_arena {
     std::swap(nodes_, other.nodes_);
     std::swap(blocks_out_, other.blocks_out_);
     std::swap(in_use_, other.in_use_);
+    std::swap(provision_, other.provision_);
+    std::swap(worker_, other.worker_);
     return *this;
   }
   row_arena(const row_arena&)            = delete;
   row_arena& operator=(const row_arena&) = delete;
   ~row_arena()
   {
+    if (worker_.joinable()) {  // before anything it maps into goes
+      {
+        const std::lock_guard lock{provision_->mutex};
+        provision_->stop = true;
+      }
+      provision_->wake.notify_one();
+      worker_.join();
+    }
     for (std::byte* s : superblocks_) {
+      if (s == nullptr) { continue; }  // a slot whose superblock was made ahead and never taken
       RowMemory::unregister_host(s);
       ::munmap(s, superblock_bytes());
+    }
+    if (provision_ != nullptr) {
+      for (const auto& r : provision_->ready) {
+        RowMemory::unregister_host(r.at);
+        ::munmap(r.at, superblock_bytes());
+      }
     }
     if (fd_ >= 0) { ::close(fd_); }
   }
@@ -177,22 +216,96 @@ class row_arena {
     free_[static_cast<std::size_t>(order)].insert(std::move(node));
   }
 
+  // A superblock ready at `offset` (its slot in the file), mapped at `at`.
+  struct ready_superblock {
+    std::uint64_t offset = 0;
+    std::byte* at        = nullptr;
+  };
+
+  // What the engine's thread and the worker share, under `mutex`; heap-held so that it stays put
+  // when the arena moves.
+  struct provisioning {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::vector<ready_superblock> ready;  // made ahead, not yet in the free lists
+    std::uint64_t file_bytes = 0;         // the file's size: superblock offsets below it are taken
+    std::size_t wanted       = 0;         // superblocks to keep ready
+    bool stop                = false;
+  };
+
+  // The worker: keeps `wanted` superblocks ready until stopped. A failure (no memory, a refused
+  // registration) ends it quietly: the engine's thread then maps superblocks itself, and reports.
+  static void provide(provisioning& p, int fd, std::size_t bytes) noexcept
+  {
+    std::unique_lock lock{p.mutex};
+    while (true) {
+      p.wake.wait(lock, [&] { return p.stop || p.ready.size() < p.wanted; });
+      if (p.stop) { return; }
+      const std::uint64_t offset = p.file_bytes;
+      if (::ftruncate(fd, static_cast<off_t>(offset + bytes)) != 0) { return; }  // under the lock: sizes only grow
+      p.file_bytes = offset + bytes;
+      lock.unlock();
+      // faulted in here, off the engine's thread, and pinned for kernels where they write it
+      void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(offset));
+      bool ok  = at != MAP_FAILED;
+      if (ok) {
+        try {
+          RowMemory::register_host(at, bytes);
+        } catch (...) {
+          ::munmap(at, bytes);
+          ok = false;
+        }
+      }
+      lock.lock();
+      if (!ok) {
+        p.wanted = 0;
+        return;
+      }
+      p.ready.push_back({offset, static_cast<std::byte*>(at)});  // reserved up to `wanted`
+    }
+  }
+
   void add_superblock()
   {
     const std::size_t bytes = superblock_bytes();
-    const auto offset       = static_cast<off_t>(superblocks_.size() * bytes);
-    superblocks_.reserve(superblocks_.size() + 1);
-    if (::ftruncate(fd_, offset + static_cast<off_t>(bytes)) != 0) { throw_system_error("ftruncate"); }
-    void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, offset);
-    if (at == MAP_FAILED) { throw_system_error("mmap of a row superblock"); }
+    superblocks_.reserve(superblocks_.size() + 1);  // the common case: the next slot
+    ready_superblock made;
+    {
+      const std::lock_guard lock{provision_->mutex};
+      auto& p = *provision_;
+      if (!p.ready.empty()) {
+        made = p.ready.front();
+        p.ready.erase(p.ready.begin());
+      } else {
+        made.offset = p.file_bytes;
+        if (::ftruncate(fd_, static_cast<off_t>(made.offset + bytes)) != 0) { throw_system_error("ftruncate"); }
+        p.file_bytes = made.offset + bytes;  // the slot stays taken even if mapping it fails below
+      }
+    }
+    if (made.at != nullptr) {
+      provision_->wake.notify_one();  // make the next one
+    } else {
+      void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(made.offset));
+      if (at == MAP_FAILED) { throw_system_error("mmap of a row superblock"); }
+      try {
+        RowMemory::register_host(at, bytes);  // kernels write it at this address from now on
+      } catch (...) {
+        ::munmap(at, bytes);
+        throw;
+      }
+      made.at = static_cast<std::byte*>(at);
+    }
+    // the table is indexed by slot (offset / bytes): slots the worker took may come in any order
+    const auto slot = static_cast<std::size_t>(made.offset / bytes);
     try {
-      RowMemory::register_host(at, bytes);  // kernels write it at this address from now on
+      if (superblocks_.size() <= slot) { superblocks_.resize(slot + 1, nullptr); }
     } catch (...) {
-      ::munmap(at, bytes);
+      RowMemory::unregister_host(made.at);
+      ::munmap(made.at, bytes);
       throw;
     }
-    superblocks_.push_back(static_cast<std::byte*>(at));  // reserved: does not throw
-    insert_free(max_order_, static_cast<std::uint64_t>(offset));
+    superblocks_[slot] = made.at;
+    insert_free(max_order_, made.offset);
   }
 
   std::size_t base_;
@@ -204,6 +317,8 @@ class row_arena {
   std::size_t nodes_      = 0;                 // nodes made: in free_ or in spare_
   std::size_t blocks_out_ = 0;                 // blocks handed out and not released
   std::size_t in_use_ = 0;
+  std::unique_ptr<provisioning> provision_;     // shared with the worker
+  std::thread worker_;                          // keeps superblocks ready; none without `ahead`
 };
 
 }  // namespace routing_replay::detail
