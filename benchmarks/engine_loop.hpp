@@ -362,6 +362,7 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
   std::vector<std::int64_t> slots;
   std::vector<std::int64_t> fresh;
   std::vector<bool> admitted(static_cast<std::size_t>(s.num_requests), false);
+  std::vector<rr::request_handle> handles(static_cast<std::size_t>(s.num_requests));
   auto slot_of = [&](std::int64_t request, std::int64_t position) {
     return (request * blocks_per_request + position / block_size) * block_size + position % block_size;
   };
@@ -400,7 +401,7 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
     for (const auto& run : step.runs) {
       if (!admitted[static_cast<std::size_t>(run.request)]) {
         const auto a0 = clock::now();
-        replay.add_request(run.request, {.prompt_length = s.prompt_length});
+        handles[static_cast<std::size_t>(run.request)] = replay.add_request(run.request, {.prompt_length = s.prompt_length});
         library_before_forward_us += micros(a0, clock::now());
         admitted[static_cast<std::size_t>(run.request)] = true;
       }
@@ -410,7 +411,7 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
         if (p % block_size == 0) { fresh.push_back(slot_of(run.request, p) / block_size); }
         slots.push_back(slot_of(run.request, p));
       }
-      plan.schedule({.id               = run.request,
+      plan.schedule({.id               = handles[static_cast<std::size_t>(run.request)],  // no hashing per step
                      .first_position   = run.first_position,
                      .num_tokens       = run.num_tokens,
                      .num_draft_tokens = 0,

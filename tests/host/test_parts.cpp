@@ -393,6 +393,43 @@ TEST_CASE("row_arena: buddy blocks split, merge and come back at the same arena 
   CHECK(arena.bytes_in_use() == 0);
 }
 
+TEST_CASE("row_arena: superblocks made ahead by the worker are taken first, at their own addresses")
+{
+  rr::detail::row_arena<rr::detail::host_written_rows> arena{4096, 1, /*ahead=*/2};  // superblocks of 8 KiB
+  std::vector<rr::detail::row_arena<rr::detail::host_written_rows>::block> blocks;
+  for (int i = 0; i < 6; ++i) {  // three superblocks' worth: some made ahead, some made here
+    blocks.push_back(arena.allocate(1));
+    std::memset(arena.address(blocks.back().offset), i + 1, 8192);
+  }
+  std::vector<std::uint64_t> offsets;
+  for (const auto& b : blocks) { offsets.push_back(b.offset); }
+  std::sort(offsets.begin(), offsets.end());
+  CHECK(std::adjacent_find(offsets.begin(), offsets.end()) == offsets.end());  // no superblock handed out twice
+  for (std::size_t i = 0; i < blocks.size(); ++i) {  // every block kept what was written to it
+    CHECK(*arena.address(blocks[i].offset) == static_cast<std::byte>(i + 1));
+    CHECK(*(arena.address(blocks[i].offset) + 8191) == static_cast<std::byte>(i + 1));
+  }
+  CHECK(arena.bytes_in_use() == 6 * 8192);
+  auto moved = std::move(arena);  // the worker's state moves with the arena
+  CHECK(*moved.address(blocks[0].offset) == std::byte{1});
+  for (const auto& b : blocks) { moved.release(b); }
+  CHECK(moved.bytes_in_use() == 0);
+}
+
+TEST_CASE("per-request rows: new positions are claimed as one range; a claimed one sends the run row by row")
+{
+  using store_type = rr::per_request_storage::store<index_t>;
+  store_type store{parts_config(), 4};
+  store.open(0);
+  store.reserve(0, 8, false);
+  index_t* first = store.claim_fresh(0, 0, 4, 1);
+  REQUIRE(first != nullptr);
+  CHECK(first + 3 * 4 == store.claim(0, 5, -1, 0, 2, false).dst - 2 * 4);  // contiguous rows
+  CHECK(store.claim_fresh(0, 3, 3, 2) == nullptr);  // position 3 (step 1) and 5 (step 2) are taken
+  CHECK(store.claim(0, 4, -1, 0, 2, false).dst != nullptr);  // ... and nothing changed: 4 is free
+  CHECK(store.claim(0, 3, -1, 0, 2, false).dst == nullptr);   // first write wins
+}
+
 TEST_CASE("per-request rows: a view stays valid as the request grows; a closed request's segments wait for its steps")
 {
   using store_type = rr::per_request_storage::store<index_t>;

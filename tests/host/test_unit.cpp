@@ -68,6 +68,52 @@ TEST_CASE("request ids: integers and strings never alias")
   CHECK_FALSE(s.rr().contains(8));
 }
 
+TEST_CASE("request handles: plans and calls by handle equal plans by id; a stale handle is refused")
+{
+  small_replay<per_request_replay> by_id;
+  small_replay<per_request_replay> by_handle;
+  std::vector<std::int64_t> slots;
+  by_id.rr().add_request("a");
+  by_id.rr().add_request(7);
+  const rr::request_handle a = by_handle.rr().add_request("a");
+  const rr::request_handle b = by_handle.rr().add_request(7);
+  CHECK(a != b);
+  CHECK(by_handle.rr().handle("a") == a);
+  CHECK(by_handle.rr().contains(b));
+  CHECK(rr::request_handle::from_bits(b.bits()) == b);
+  for (std::int64_t first : {0, 3}) {
+    rr::step_plan ids;
+    ids.schedule({"a", first, 3, 0, {}});
+    ids.schedule({7, first, 2, 0, {}});
+    by_id.step(ids, first);
+    rr::step_plan handles;
+    handles.schedule({a, first, 3, 0, {}});
+    handles.schedule({b, first, 2, 0, {}});
+    by_handle.step(handles, first);
+  }
+  CHECK(by_handle.rows("a") == by_id.rows("a"));
+  CHECK(by_handle.rows(7) == by_id.rows(7));
+  CHECK(by_handle.rr().recorded_rows(a) == 6);
+  // errors name the request by its id, also when the plan names it by handle
+  rr::step_plan late;
+  late.schedule({a, 31, 2, 0, {}});
+  rr_test::expect_error([&] { by_handle.rr().begin_step(late, by_handle.stream()); }, rr::errc::position_out_of_range,
+                        {"request 'a'", "[31, 33)"});
+  // released: its handle is refused, also once a new request took its index
+  by_handle.rr().release(a);
+  const rr::request_handle c = by_handle.rr().add_request("c");
+  CHECK(c.index == a.index);
+  CHECK(c != a);
+  CHECK_FALSE(by_handle.rr().contains(a));
+  rr_test::expect_error([&] { (void)by_handle.rr().recorded_rows(a); }, rr::errc::unknown_request, {"handle"});
+  rr::step_plan stale;
+  stale.schedule({a, 6, 1, 0, {}});
+  rr_test::expect_error([&] { by_handle.rr().begin_step(stale, by_handle.stream()); }, rr::errc::unknown_request,
+                        {"released or aborted"});
+  // a handle names a request; it is not an id to add
+  rr_test::expect_error([&] { by_handle.rr().add_request(c); }, rr::errc::invalid_argument, {"not by a handle"});
+}
+
 TEST_CASE("capture narrows once, skips fused shared columns, maps physical ids, takes a DP span")
 {
   small_replay<per_request_replay> s;

@@ -243,6 +243,14 @@ TEST_CASE("a problem the worker's device found is reported by the scheduler, nam
   CHECK(s.steps_in_flight() == 0);
   CHECK(s.recorded_rows("chat-7") == 0);
 
+  SUBCASE("a plan naming a request by handle makes no packet: handles are local to one replay")
+  {
+    rr::step_plan by_handle;
+    by_handle.schedule({rr::request_handle{0, 1}, 0, 1, 0, {}});
+    rr::step_packet_writer<std::int16_t> w{2, 2};
+    expect_error([&] { w.begin(by_handle, 3); }, rr::errc::invalid_argument, {"handle 0.1", "request ids"});
+  }
+
   SUBCASE("a step the worker lost is discarded")
   {
     s.begin_step(waiting.plan);
