@@ -5,14 +5,20 @@
 # build/python-gpu-site (the environment itself is left alone), then runs the whole suite with the
 # CUDA cases required (a skipped CUDA case fails the run), then example (a) on the GPU.
 # Usage: scripts/python_gpu_check.sh [extra pytest arguments]
+# PY_GPU_SKIP_BUILD=1 tests the package scripts/python_gpu_bench.sh built there instead of
+# building it again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
 site="$PWD/build/python-gpu-site"
-rm -rf "$site"
-start=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps --target "$site" ./python
-echo "== built and installed in $(( $(date +%s) - start )) s"
+if [ "${PY_GPU_SKIP_BUILD:-0}" = 1 ] && [ -d "$site/routing_replay" ]; then
+  echo "== testing the package already built in $site"
+else
+  rm -rf "$site"
+  start=$(date +%s)
+  python3 -m pip install -q --no-build-isolation --no-deps --target "$site" ./python
+  echo "== built and installed in $(( $(date +%s) - start )) s"
+fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -m routing_replay
 ROUTING_REPLAY_REQUIRE_CUDA=1 python3 -m pytest -rs -p no:cacheprovider python/tests "$@"
