@@ -130,6 +130,11 @@ class Forward:
         return times
 
 
+def ahead_kw() -> dict:
+    """host_memory_ahead where asked for (an earlier tree's package has no such argument)."""
+    return {} if ARGS.host_memory_ahead is None else {"host_memory_ahead": ARGS.host_memory_ahead}
+
+
 class ReplayDriver:
     """routing_replay.Replay with a columnar plan of request handles."""
 
@@ -139,7 +144,7 @@ class ReplayDriver:
         self.replay = rr.Replay(num_experts=E, top_k=K, max_tokens_per_step=NMAX, max_model_len=MML,
                                 moe_layers=range(L), device=device, index=ARGS.index, layout=ARGS.layout,
                                 copy=ARGS.copy, storage=ARGS.storage, block_size=16 if ARGS.storage == "block_slot" else 0,
-                                num_blocks=(ARGS.blocks if ARGS.storage == "block_slot" else 0))
+                                num_blocks=(ARGS.blocks if ARGS.storage == "block_slot" else 0), **ahead_kw())
         self.plan = rr.StepPlan()
         self.handles = {}
         self.columnar = hasattr(self.plan, "schedule_handles")
@@ -210,7 +215,7 @@ class DropInDriver:
 
     def __init__(self, device):
         self.cap = RoutedExpertsCapturer(L, K, NMAX, MML, 0, device, num_experts=E, copy=ARGS.copy,
-                                         index=ARGS.index, layout=ARGS.layout)
+                                         index=ARGS.index, layout=ARGS.layout, **ahead_kw())
         self.capture = self.cap.capture
         self.replay = self.cap.replay
 
@@ -301,7 +306,7 @@ def run(api, mode, name, steps, warm, cuda):
                index=ARGS.index, layout=ARGS.layout, copy=ARGS.copy,
                storage=ARGS.storage if api == "replay" else "per_request",
                plan=("handles" if getattr(drv, "columnar", False) else "per_request") if api == "replay" else "dict",
-               requests=med(reqs), host_us=host, per_request_ns=round(1e3 * host / med(reqs), 1) if host else None,
+               host_memory_ahead=ARGS.host_memory_ahead, requests=med(reqs), host_us=host, per_request_ns=round(1e3 * host / med(reqs), 1) if host else None,
                capture_us=med([t * 1e6 for t in cap_t]) if cap_t else None, step_us=med(step_t),
                extract_us=med(xs), correct=ok, steps=len(host_t))
     if api == "replay":
@@ -316,7 +321,7 @@ def main():
     ap.add_argument("--api", default="replay,dropin")
     ap.add_argument("--modes", default=None, help="eager,graph (graph: CUDA only)")
     ap.add_argument("--scenarios", default="decode_B1,decode_B64,decode_B256,decode_B1024,prefill_8k,mixed")
-    ap.add_argument("--copy", default="double_buffered")
+    ap.add_argument("--copy", default="device_scatter")
     ap.add_argument("--storage", default="per_request", help="Replay's storage (the drop-in's is per_request)")
     ap.add_argument("--index", default="int16")
     ap.add_argument("--layout", default="layer_major")
@@ -324,6 +329,8 @@ def main():
     ap.add_argument("--decode-steps", type=int, default=40)
     ap.add_argument("--prefill-steps", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=1 << 16)
+    ap.add_argument("--host-memory-ahead", type=int, default=None,
+                    help="per-request storage: bytes mapped ahead by a worker thread (default: one step's rows)")
     ARGS = ap.parse_args()
     cuda = (ARGS.device or ("cuda" if rr.cuda_available() else "cpu")) != "cpu"
     modes = (ARGS.modes or ("eager,graph" if cuda else "eager")).split(",")

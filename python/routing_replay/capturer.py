@@ -53,6 +53,8 @@ class RoutedExpertsCapturer:
         index, layout, copy: routing_replay policies (defaults: ``int16``, ``layer_major``,
             ``device_scatter``: no host work per row on the engine's thread); storage is per request.
         host_memory_limit: cap on host bytes of stored rows.
+        host_memory_ahead: host bytes a worker thread keeps mapped ahead of need (None: one step's
+            rows; 0: none).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class RoutedExpertsCapturer:
         layout: str = "layer_major",
         copy: str = "device_scatter",
         host_memory_limit: int | None = None,
+        host_memory_ahead: int | None = None,
     ) -> None:
         if num_experts is None:
             info = np.iinfo(np.dtype(index))
@@ -92,6 +95,7 @@ class RoutedExpertsCapturer:
             storage="per_request",
             num_fused_shared_experts=num_fused_shared_experts,
             host_memory_limit=host_memory_limit,
+            host_memory_ahead=host_memory_ahead,
             _staging=True,
         )
         self._native = self._replay._native
