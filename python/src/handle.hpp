@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -42,6 +43,59 @@ struct plan_holder {
     ids.clear();
     slots.clear();
   }
+};
+
+/// @brief Host backend: the buffers captures snapshot router outputs into, recycled. A snapshot
+/// goes back once the stream has run its capture kernel, so steady-state captures neither allocate
+/// nor zero memory (a fresh 64 KiB buffer per layer at decode batch 1024 cost more than the rest of
+/// the call: page faults of memory the allocator had just given back).
+class snapshot_pool : public std::enable_shared_from_this<snapshot_pool> {
+ public:
+  /// @brief A snapshot buffer of at least `elems` ids; it returns to the pool when destroyed.
+  class buffer {
+   public:
+    buffer(std::shared_ptr<snapshot_pool> pool, std::vector<std::int64_t> ids) noexcept
+      : pool_(std::move(pool)), ids_(std::move(ids))
+    {
+    }
+    buffer(const buffer&)            = delete;
+    buffer& operator=(const buffer&) = delete;
+    ~buffer() { pool_->give(std::move(ids_)); }
+    /// @brief The ids.
+    [[nodiscard]] std::int64_t* data() noexcept { return ids_.data(); }
+
+   private:
+    std::shared_ptr<snapshot_pool> pool_;
+    std::vector<std::int64_t> ids_;
+  };
+
+  /// @brief A buffer of at least `elems` ids (contents unspecified).
+  [[nodiscard]] std::shared_ptr<buffer> take(std::size_t elems)
+  {
+    std::vector<std::int64_t> ids;
+    {
+      const std::lock_guard lock{mutex_};
+      if (!free_.empty()) {
+        ids = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (ids.size() < elems) { ids.resize(elems); }  // grows once to the largest capture
+    return std::make_shared<buffer>(shared_from_this(), std::move(ids));
+  }
+
+ private:
+  void give(std::vector<std::int64_t> ids) noexcept
+  {
+    try {
+      const std::lock_guard lock{mutex_};
+      free_.push_back(std::move(ids));
+    } catch (...) {  // no room to keep it: it is freed instead
+    }
+  }
+
+  std::mutex mutex_;  // buffers come back on the stream's worker thread
+  std::vector<std::vector<std::int64_t>> free_;
 };
 
 /// @brief One replay as Python sees it.
@@ -80,6 +134,8 @@ struct replay_handle {
   }
 
   std::vector<nanobind::object> host_streams;  ///< host streams used; destroyed after `impl`
+  /// @brief Host backend: snapshot buffers of captures (outlives the replay while one is in flight).
+  std::shared_ptr<snapshot_pool> snapshots = std::make_shared<snapshot_pool>();
   std::unique_ptr<replay_base> impl;  ///< the instantiation
   backend_kind backend;               ///< host or CUDA
   std::int32_t device_id;             ///< CUDA device of the buffers (0 on the host)

@@ -471,7 +471,7 @@ dtype_code dtype_from_dlpack(nb::dlpack::dtype t)
 struct capture_source {
   id_array ids;
   capture_options options;
-  std::shared_ptr<std::vector<std::byte>> ids_copy;
+  std::shared_ptr<snapshot_pool::buffer> ids_copy;
   std::shared_ptr<std::vector<std::int32_t>> map_copy;
 };
 
@@ -498,8 +498,8 @@ capture_source capture_source_of(const replay_handle& h, std::uintptr_t data, st
   s.ids.dtype          = dtype_code::i64;
   s.ids.data           = base;  // a null pointer or a short stride: the library refuses it
   if (base != nullptr && num_tokens > 0 && row_stride >= k) {
-    s.ids_copy = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(num_tokens * k) * sizeof(std::int64_t));
-    auto* out  = reinterpret_cast<std::int64_t*>(s.ids_copy->data());  // NOLINT
+    s.ids_copy = h.snapshots->take(static_cast<std::size_t>(num_tokens * k));
+    auto* out  = s.ids_copy->data();
     visit_dtype(d, [&](auto tag) {
       using source   = decltype(tag);
       const auto* in = reinterpret_cast<const source*>(base) + row_offset * row_stride;  // NOLINT
