@@ -48,7 +48,7 @@ namespace {
 // thread each in this process: ROUTING_REPLAY_SOAK_STEPS steps each (default 100000), only those
 // named in ROUTING_REPLAY_SOAK_ONLY ("sync/block_slot,async_event/per_request"; default all), under
 // a watchdog of ROUTING_REPLAY_SOAK_DEADLINE_S seconds (default none). scripts/gpu_check.sh, part soak.
-TEST_CASE("CUDA soak, every combination at once: bit-exact, device and host memory flat after warm-up" *
+TEST_CASE("CUDA concurrent soak: every combination at once in threads, bit-exact, device and host memory flat" *
           doctest::skip())
 {
   const char* only     = std::getenv("ROUTING_REPLAY_SOAK_ONLY");
