@@ -7,10 +7,10 @@
 # parallel_bench.jsonl, gpu_check_multi.tgz (every log). doctest and Google Benchmark may come from
 # .deps/ (scripts/stage_deps.sh). Exit status 0 only if everything passed.
 #
-# Expected on 2 H200s (16+ cores), about 4 minutes in all, each part bounded:
-# - build of the three targets from scratch: 2 to 3 minutes (one heavy translation unit each,
-#   built side by side; about 7 minutes each on a 2-core machine);
-# - parallel_tests: under a minute (about 40 s on a 2-core machine); limit 240 s;
+# Expected on 2 H200s (16+ cores), 3 to 4 minutes in all, each part bounded:
+# - build of the three targets from scratch: 1 to 3 minutes (one heavy translation unit each,
+#   built side by side; about 3 minutes in all with -j2 on a 2-core machine);
+# - parallel_tests: under a minute (4 to 23 s on a 2-core machine); limit 240 s;
 # - multi_gpu_tests: seconds (2 s in the last run); each rank's watchdog ends it after 60 s without
 #   progress or 120 s in all, naming the rank, test case, seed, operation, step and layer it waited
 #   in (tests/support/deadline.hpp); `timeout` 180 s is the last resort;
