@@ -212,19 +212,45 @@ fi
 # The CUDA soak at N_max 8192, L 48, K 8: every copy strategy with both storages, each run
 # GPU_CHECK_SOAK_STEPS steps (default 100000), bit-exact, device and host memory flat after
 # warm-up; the eight at once, one thread each in one process (one CUDA context: their kernels run
-# side by side instead of being time-sliced between processes). One JSON line per combination ->
-# $OUT/soak.jsonl (steps/s, rows checked, memory figures, where a step's time went), and
+# side by side instead of being time-sliced between processes). GPU_CHECK_SOAK_PROCESSES=1 runs
+# them as one process each instead, all at once (the fallback; each process's probes then see the
+# others' memory too, without the threads' start and end barriers). One JSON line per combination
+# -> $OUT/soak.jsonl (steps/s, rows checked, memory figures, where a step's time went), and
 # "soak: P/N PASS". The program's own watchdog (GPU_CHECK_SOAK_DEADLINE_S, default 540) prints each
 # run's progress and aborts if it runs too long; `timeout` is the last resort.
 if want soak; then
   soak_deadline=${GPU_CHECK_SOAK_DEADLINE_S:-540}
+  soak_all=sync/per_request,sync/block_slot,async_event/per_request,async_event/block_slot
+  soak_all+=,double_buffered/per_request,double_buffered/block_slot,device_scatter/block_slot,device_scatter/per_request
+  soak_only=${GPU_CHECK_SOAK_ONLY:-}
+  run_soak() {  # ONLY LOG: the concurrent soak of the combinations in ONLY (empty: all)
+    ROUTING_REPLAY_SOAK_STEPS=${GPU_CHECK_SOAK_STEPS:-100000} ROUTING_REPLAY_SOAK_ONLY=$1 \
+      ROUTING_REPLAY_SOAK_DEADLINE_S=$soak_deadline timeout $((soak_deadline + 30)) \
+      build/gpu/tests/gpu_tests --no-skip -tc='CUDA concurrent soak*' >"$2" 2>&1
+  }
   start=$(date +%s)
-  ROUTING_REPLAY_SOAK_STEPS=${GPU_CHECK_SOAK_STEPS:-100000} ROUTING_REPLAY_SOAK_ONLY=${GPU_CHECK_SOAK_ONLY:-} \
-    ROUTING_REPLAY_SOAK_DEADLINE_S=$soak_deadline timeout $((soak_deadline + 30)) \
-    build/gpu/tests/gpu_tests --no-skip -tc='CUDA concurrent soak*' >"$OUT/soak.log" 2>&1; rc=$?
+  rc=0
+  if [ "${GPU_CHECK_SOAK_PROCESSES:-0}" = 1 ]; then
+    mode="one process each"
+    pids=()
+    combos=${soak_only:-$soak_all}
+    for combo in ${combos//,/ }; do
+      run_soak "$combo" "$OUT/soak_${combo//\//_}.log" &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    cat "$OUT"/soak_*.log >"$OUT/soak.log"
+    expected=$(tr ',' '\n' <<<"$combos" | grep -c .)
+  else
+    mode="threads of one process"
+    run_soak "$soak_only" "$OUT/soak.log"; rc=$?
+    expected=$(tr ',' '\n' <<<"${soak_only:-$soak_all}" | grep -c .)
+  fi
   grep -h '^{"soak": "cuda"' "$OUT/soak.log" >"$OUT/soak.jsonl"
   cp "$OUT/soak.jsonl" "$RESULTS/soak.jsonl"
-  note "CUDA soak (all combinations at once): exit $rc in $(( $(date +%s) - start )) s | $(grep -E '^soak: ' "$OUT/soak.log" | tail -n1) | $(grep -E '^\[doctest\] test cases' "$OUT/soak.log" | sed 's/\[doctest\] //')"
+  passed=$(grep -c '"verdict": "PASS"' "$OUT/soak.jsonl")
+  verdict="soak: $passed/$expected $( [ "$passed" -eq "$expected" ] && [ $rc -eq 0 ] && echo PASS || echo FAIL)"
+  note "CUDA soak ($mode, ${GPU_CHECK_SOAK_STEPS:-100000} steps each): exit $rc in $(( $(date +%s) - start )) s | $verdict"
   mapfile -t lines < <(grep -E 'deadline|^  [a-z_]+/[a-z_]+: [0-9]+$' "$OUT/soak.log" | head -n 12 | sed 's/^/  /')
   summary+=("${lines[@]}")
   mapfile -t lines < <(python3 -c 'import json, sys
@@ -238,7 +264,8 @@ for line in open(sys.argv[1]):
         r["device_limit_kib"], r["rss_limit_kib"], r["runs_sharing_probes"]))
     print("    us per step: %s" % r["us_per_step"])' "$OUT/soak.jsonl")
   summary+=("${lines[@]}")
-  [ $rc -eq 0 ] && grep -qE '^soak: ([0-9]+)/\1 PASS' "$OUT/soak.log" || status=1
+  summary+=("$verdict")
+  [ $rc -eq 0 ] && [ "$passed" -eq "$expected" ] || status=1
 fi
 
 {
