@@ -16,16 +16,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <exception>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -57,7 +50,8 @@ void check_at_scale()
 /// single run's (2 MiB device, 8 MiB host) times `o.runs`. Prints one JSON line; returns whether
 /// the run passed.
 template <class RR>
-bool soak_at_scale(const soak_options& o = soak_options{.steps = soak_steps_from_env(), .runs = 1, .hooks = {}, .progress = nullptr})
+bool soak_at_scale(const soak_options& o = soak_options{
+                     .steps = soak_steps_from_env(), .runs = 1, .hooks = {}, .progress = nullptr})
 {
   std::vector<std::int64_t> rss;  // host resident memory, sampled with the device's
   const auto chunk = std::max<std::int64_t>(o.steps / 50, 1);

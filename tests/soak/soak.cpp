@@ -77,14 +77,16 @@ TEST_CASE_TEMPLATE_DEFINE("soak: a realistic endless schedule, every row checked
                           soak_host)
 {
   if (concurrent) { return; }  // the next test case runs them all at once
-  soak_run<RR>(rr_test::soak_options{.steps = (soak_steps + runs - 1) / runs, .runs = 1, .hooks = {}, .progress = nullptr});
+  soak_run<RR>(
+    rr_test::soak_options{.steps = (soak_steps + runs - 1) / runs, .runs = 1, .hooks = {}, .progress = nullptr});
 }
 TEST_CASE_TEMPLATE_APPLY(soak_host, combinations);
 
 TEST_CASE("soak: every combination at once, one thread each")
 {
   if (!concurrent) { return; }
-  rr_test::soak_all_at_once("host", entries(static_cast<combinations*>(nullptr)), (soak_steps + runs - 1) / runs, "", 0);
+  rr_test::soak_all_at_once("host", entries(static_cast<combinations*>(nullptr)), (soak_steps + runs - 1) / runs, "",
+                            0);
 }
 
 int main(int argc, char** argv)

@@ -180,8 +180,8 @@ std::string soak_json(const soak_result& r, const char* backend, const char* mem
                 static_cast<long long>(r.steps), r.seconds, r.steps_per_second(),
                 static_cast<long long>(r.rows_checked), memory_kind, static_cast<long long>(r.memory_after_warmup),
                 static_cast<long long>(r.memory_end), static_cast<long long>(r.memory_peak_after_warmup),
-                static_cast<long long>(r.growth()), static_cast<long long>(p.rows_filed), phases, extra.c_str(), extra.empty() ? "" : ", ",
-                samples.c_str());
+                static_cast<long long>(r.growth()), static_cast<long long>(p.rows_filed), phases, extra.c_str(),
+                extra.empty() ? "" : ", ", samples.c_str());
   return line;
 }
 
@@ -242,7 +242,8 @@ inline void soak_all_at_once(const char* backend, const std::vector<soak_entry>&
         std::printf("{\"soak\": \"%s\", \"combination\": \"%s\", \"verdict\": \"FAIL\", \"error\": \"%s\"}\n",
                     backend, chosen[i]->name.c_str(), what.c_str());
       } catch (...) {  // a failed REQUIRE or FAIL (doctest reported it above)
-        std::printf("{\"soak\": \"%s\", \"combination\": \"%s\", \"verdict\": \"FAIL\", \"error\": \"a check failed (see above)\"}\n",
+        std::printf("{\"soak\": \"%s\", \"combination\": \"%s\", \"verdict\": \"FAIL\", "
+                    "\"error\": \"a check failed (see above)\"}\n",
                     backend, chosen[i]->name.c_str());
       }
       std::fflush(stdout);
