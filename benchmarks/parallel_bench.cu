@@ -11,9 +11,15 @@
 ///   reset of the rows written), and on the output rank for comparison;
 /// - capture_only_host_alloc: bytes operator new hands out to build a capture-only rank and run 20
 ///   steps, for a small and a huge KV pool and max_model_len (O(1): equal).
+/// The whole run takes seconds (45 iterations of each measurement). Every wait that can hang (the
+/// ranks meeting in NCCL, stream synchronizations, drains) is under a watchdog per rank
+/// (tests/support/deadline.hpp): no progress for RR_BENCH_STALL_S seconds (default 60) or a run past
+/// RR_BENCH_DEADLINE_S (default 180) prints which rank waited in what (measurement, scenario,
+/// approach, operation, iteration, layer), aborts its communicator and exits with 3.
 #include "engine_loop_cuda.cuh"
 
 #include "../tests/support/allocation_counter.hpp"
+#include "../tests/support/deadline.hpp"
 #include "../tests/support/nccl_ranks.cuh"
 
 #include <routing_replay/parallel/nccl_communicator.cuh>
@@ -23,6 +29,7 @@
 #include <nv/target>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -129,21 +136,27 @@ class bench_rank {
     const auto plan  = plan_of(sc);
     const auto shard = rr::sequence_shard::of(plan.num_rows(), -1, rank_, size_);
     {
+      rr_test::progress().context("parallel_bench sp_gather " + std::string{sc.name} + " once_per_step");
       ranked replay{bench_config(), {rr::parallel_scheme::sequence, 0, {}}, rr::nccl_communicator{comm_}};
       add_requests(replay.is_output_rank() ? &replay.output() : nullptr, sc);
       report("sp_gather", sc, "once_per_step", timed([&](cuda::stream_ref s) {
                for (std::int32_t l = 0; l < layers; ++l) {
+                 rr_test::progress().at("capture (enqueue)", iteration_, l);
                  replay.capture(l, ids() + shard.first_row * top_k, shard.shard_rows, s);
                }
+               rr_test::progress().at("end_step (enqueues the step's all-gather)", iteration_);
                replay.end_step(s);
              },
              [&](cuda::stream_ref s) { replay.begin_step(plan, s); }, [&] { replay.drain(); }));
     }
+    rr_test::progress().context("parallel_bench sp_gather " + std::string{sc.name} + " all_gather_per_layer");
     std::optional<output> lib;
     if (rank_ == 0) { lib.emplace(bench_config()); }
     add_requests(lib ? &*lib : nullptr, sc);
     report("sp_gather", sc, "all_gather_per_layer", timed([&](cuda::stream_ref s) {
              for (std::int32_t l = 0; l < layers; ++l) {
+               rr_test::progress().at("ncclAllGather of the layer's ids (enqueue; may block while NCCL's queue is full)",
+                                      iteration_, l);
                check(ncclAllGather(ids() + shard.first_row * top_k, rr::cuda_backend::data(gathered_),
                                    static_cast<std::size_t>(shard.shard_rows * top_k), ncclInt32, comm_, s.get()));
                if (lib) { lib->capture(l, static_cast<const std::int32_t*>(rr::cuda_backend::data(gathered_)), plan.num_rows(), s); }
@@ -157,17 +170,23 @@ class bench_rank {
   void capture_only_end_step(const scenario& sc)
   {
     const auto plan = plan_of(sc);
+    rr_test::progress().context("parallel_bench capture_only_end_step " + std::string{sc.name});
     ranked replay{bench_config(), {rr::parallel_scheme::replicated, 0, {}}, rr::nccl_communicator{comm_}};
     add_requests(replay.is_output_rank() ? &replay.output() : nullptr, sc);
     std::vector<double> host_us;
     auto s = stream_.ref();
     for (int i = 0; i < warmup + iterations; ++i) {
+      auto& now = rr_test::progress();
+      now.at("begin_step", i);
       replay.begin_step(plan, s);
       for (std::int32_t l = 0; l < layers; ++l) { replay.capture(l, ids(), plan.num_rows(), s); }
+      now.at("end_step", i);
       const auto t0 = std::chrono::steady_clock::now();
       replay.end_step(s);
       const auto t1 = std::chrono::steady_clock::now();
+      now.at("cudaStreamSynchronize after end_step", i);
       rr::cuda_backend::synchronize(s);
+      now.at("drain (files the step)", i);
       replay.drain();
       if (i >= warmup) { host_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count()); }
     }
@@ -185,6 +204,8 @@ class bench_rank {
     using pooled = rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::double_buffered<2>,
                                      rr::block_slot_storage>;
     for (const auto& [blocks, model_len] : {std::pair<std::int64_t, std::int64_t>{1024, 4096}, {1 << 20, 1 << 20}}) {
+      rr_test::progress().context("parallel_bench capture_only_host_alloc, num_blocks " + std::to_string(blocks));
+      rr_test::progress().at("building a capture-only rank");
       auto plan = plan_of(scenarios[1]);
       rr_test::count_allocations(true);
       (void)rr_test::allocated_bytes_taken();
@@ -192,10 +213,12 @@ class bench_rank {
                                                                rr::nccl_communicator{comm_}};
       const std::size_t built = rr_test::allocated_bytes_taken();
       for (int i = 0; i < 20; ++i) {
+        rr_test::progress().at("step (begin_step, captures, end_step)", i);
         replay.begin_step(plan, stream_.ref());
         for (std::int32_t l = 0; l < layers; ++l) { replay.capture(l, ids(), plan.num_rows(), stream_.ref()); }
         replay.end_step(stream_.ref());
       }
+      rr_test::progress().at("cudaStreamSynchronize after 20 steps");
       rr::cuda_backend::synchronize(stream_.ref());
       const std::size_t steps = rr_test::allocated_bytes_taken();
       rr_test::count_allocations(false);
@@ -228,14 +251,20 @@ class bench_rank {
   {
     std::vector<double> us;
     auto s = stream_.ref();
+    auto& now = rr_test::progress();
     for (int i = 0; i < warmup + iterations; ++i) {
+      iteration_ = i;
+      now.at("begin_step", i);
       before(s);
+      now.at("ncclAllReduce of one float (enqueue): the ranks meet", i);
       check(ncclAllReduce(rr::cuda_backend::data(one_), rr::cuda_backend::data(one_), 1, ncclFloat, ncclSum, comm_, s.get()));
       rr::cuda_backend::bulk_async(1, spin_cycles{4'000'000}, s);  // about 2 ms
       timer_.start(s);
       work(s);
       timer_.stop(s);
+      now.at("cudaStreamSynchronize: the all-reduce and the timed work (needs the peer rank)", i);
       rr::cuda_backend::synchronize(s);
+      now.at("drain (files the step)", i);
       after();
       if (i >= warmup) { us.push_back(*timer_.elapsed_us()); }
     }
@@ -254,6 +283,7 @@ class bench_rank {
 
   ncclComm_t comm_;
   int rank_ = 0, size_ = 1;
+  int iteration_ = 0;  // of timed(), for the progress board
   rr::cuda_stream stream_;
   platform::timer timer_;
   rr::cuda_backend::device_vector<std::int32_t> ids_;
@@ -271,10 +301,20 @@ int main(int argc, char** argv)
       std::puts("parallel_bench: needs 2 GPUs");
       return 77;
     }
-    return rr_test::ranks::launch_ranks(argc, argv, 2, std::getenv("RR_MULTI_GPU_LOG_DIR"), 420);
+    return rr_test::ranks::launch_ranks(argc, argv, 2, std::getenv("RR_MULTI_GPU_LOG_DIR"),
+                                        static_cast<int>(rr_test::ranks::env_seconds("RR_BENCH_DEADLINE_S", 180) + 30));
   }
+  static std::atomic<ncclComm_t> abort_on_deadline{nullptr};  // the communicator, while it lives
+  const rr_test::progress_watchdog watchdog{
+    "parallel_bench rank " + std::to_string(args.rank),
+    std::chrono::seconds{rr_test::ranks::env_seconds("RR_BENCH_STALL_S", 60)},
+    std::chrono::seconds{rr_test::ranks::env_seconds("RR_BENCH_DEADLINE_S", 180)}, [] {
+      if (const ncclComm_t c = abort_on_deadline.load(); c != nullptr) { ncclCommAbort(c); }
+    }};
   try {
+    rr_test::progress().at("joining the NCCL communicator");
     ncclComm_t comm = rr_test::ranks::join_communicator(args);
+    abort_on_deadline.store(comm);
     {
       bench_rank bench{comm};
       for (const auto& sc : scenarios) {
@@ -288,6 +328,8 @@ int main(int argc, char** argv)
       std::fprintf(stderr, "parallel_bench rank %d: capture_only_host_alloc\n", args.rank);
       bench.capture_only_host_alloc();
     }
+    rr_test::progress().at("ncclCommDestroy");
+    abort_on_deadline.store(nullptr);
     ncclCommDestroy(comm);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "parallel_bench rank %d: %s\n", args.rank, e.what());

@@ -7,6 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
+script_start=$(date +%s)
 RESULTS=${OUT:-build/gpu_check}
 OUT=build/gpu_check_work  # everything is written here, then packed into $RESULTS
 rm -rf "$OUT" && mkdir -p "$OUT" "$RESULTS"
@@ -17,11 +18,13 @@ note() { summary+=("$1"); }
 # loop), micro (Google Benchmark programs), compare (before/after against .baseline), overhead
 # (step time added at realistic step lengths, three rounds, both capture paths), sanitize
 # (compute-sanitizer memcheck, racecheck, synccheck, initcheck over the GPU suite, in parallel:
-# about 7 minutes on an H200), soak (the CUDA soak, GPU_CHECK_SOAK_STEPS steps per combination,
-# default 100000: about 2 to 3 minutes per combination, eight combinations); the last three are
-# not run by default. A lease's
-# command may last 10 minutes: split the parts over two calls on a warm machine if needed; the
-# build is reused.
+# about 7 minutes on an H200), soak (the CUDA soak: all eight copy strategy x storage combinations
+# at N_max 8192, L 48, K 8, GPU_CHECK_SOAK_STEPS steps each (default 100000), at once, one thread
+# each in one process; projected 2 to 4 minutes on an H200 with 16 cores, docs/reliability.md 2.4;
+# GPU_CHECK_SOAK_ONLY="sync/block_slot,..." runs some of them, to split it over two calls); the last
+# three are not run by default. Parts that need only gpu_tests (sanitize, soak) build only it: the
+# soak alone is `GPU_CHECK_PARTS=soak scripts/gpu_check.sh`. A lease's command may last 10 minutes:
+# split the parts over two calls on a warm machine if needed; the build is reused.
 PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
@@ -39,13 +42,20 @@ fi
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n1)
 note "gpu: ${gpu:-none found} | nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
 
+# everything, unless the parts need only the GPU test program
+targets=()
+only_gpu_tests=1
+for part in ${PARTS//,/ }; do
+  case "$part" in sanitize|soak) ;; *) only_gpu_tests=0 ;; esac
+done
+[ $only_gpu_tests -eq 1 ] && targets=(--target gpu_tests)
 start=$(date +%s)
 if ! cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" >"$OUT/build.log" 2>&1 ||
-   ! cmake --build build/gpu -j "$(build_jobs)" >>"$OUT/build.log" 2>&1; then
+   ! cmake --build build/gpu -j "$(build_jobs)" "${targets[@]}" >>"$OUT/build.log" 2>&1; then
   tail -n 40 "$OUT/build.log"
   echo "build failed"; tar czf "$RESULTS/gpu_check.tgz" -C "$OUT" .; exit 1
 fi
-note "build: ok in $(( $(date +%s) - start )) s"
+note "build${targets[*]:+ (${targets[*]})}: ok in $(( $(date +%s) - start )) s"
 
 if want tests; then
 build/gpu/tests/gpu_tests >"$OUT/gpu_tests.log" 2>&1; rc=$?
@@ -200,15 +210,67 @@ if want sanitize && command -v compute-sanitizer >/dev/null 2>&1; then
   done
 fi
 
-# The CUDA soak at N_max 8192, L 48, K 8: every copy strategy with both storages, bit-exact, device
-# and host memory flat (one JSON line per combination in soak.log).
+# The CUDA soak at N_max 8192, L 48, K 8: every copy strategy with both storages, each run
+# GPU_CHECK_SOAK_STEPS steps (default 100000), bit-exact, device and host memory flat after
+# warm-up; the eight at once, one thread each in one process (one CUDA context: their kernels run
+# side by side instead of being time-sliced between processes). GPU_CHECK_SOAK_PROCESSES=1 runs
+# them as one process each instead, all at once (the fallback; each process's probes then see the
+# others' memory too, without the threads' start and end barriers). One JSON line per combination
+# -> $OUT/soak.jsonl (steps/s, rows checked, memory figures, where a step's time went), and
+# "soak: P/N PASS". The program's own watchdog (GPU_CHECK_SOAK_DEADLINE_S, default: what is left of
+# 570 s since this script started) prints each run's progress and aborts if it runs too long;
+# `timeout` is the last resort.
 if want soak; then
-  ROUTING_REPLAY_SOAK_STEPS=${GPU_CHECK_SOAK_STEPS:-100000} build/gpu/tests/gpu_tests --no-skip -tc='CUDA soak*' \
-    >"$OUT/soak.log" 2>&1; rc=$?
-  note "CUDA soak: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/soak.log" | sed 's/\[doctest\] //')"
-  mapfile -t lines < <(grep -h '"soak": "cuda"' "$OUT/soak.log" | cut -c1-200)
+  # by default the watchdog fires before a lent machine's 10-minute limit on the whole command
+  # (the build included), so the log still says how far each run got
+  soak_deadline=${GPU_CHECK_SOAK_DEADLINE_S:-$(( 570 - ($(date +%s) - script_start) ))}
+  [ "$soak_deadline" -ge 60 ] || soak_deadline=60
+  soak_all=sync/per_request,sync/block_slot,async_event/per_request,async_event/block_slot
+  soak_all+=,double_buffered/per_request,double_buffered/block_slot,device_scatter/block_slot,device_scatter/per_request
+  soak_only=${GPU_CHECK_SOAK_ONLY:-}
+  run_soak() {  # ONLY LOG: the concurrent soak of the combinations in ONLY (empty: all)
+    ROUTING_REPLAY_SOAK_STEPS=${GPU_CHECK_SOAK_STEPS:-100000} ROUTING_REPLAY_SOAK_ONLY=$1 \
+      ROUTING_REPLAY_SOAK_DEADLINE_S=$soak_deadline timeout $((soak_deadline + 30)) \
+      build/gpu/tests/gpu_tests --no-skip -tc='CUDA concurrent soak*' >"$2" 2>&1
+  }
+  start=$(date +%s)
+  rc=0
+  if [ "${GPU_CHECK_SOAK_PROCESSES:-0}" = 1 ]; then
+    mode="one process each"
+    pids=()
+    combos=${soak_only:-$soak_all}
+    for combo in ${combos//,/ }; do
+      run_soak "$combo" "$OUT/soak_${combo//\//_}.log" &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    cat "$OUT"/soak_*.log >"$OUT/soak.log"
+    expected=$(tr ',' '\n' <<<"$combos" | grep -c .)
+  else
+    mode="threads of one process"
+    run_soak "$soak_only" "$OUT/soak.log"; rc=$?
+    expected=$(tr ',' '\n' <<<"${soak_only:-$soak_all}" | grep -c .)
+  fi
+  grep -h '^{"soak": "cuda"' "$OUT/soak.log" >"$OUT/soak.jsonl"
+  cp "$OUT/soak.jsonl" "$RESULTS/soak.jsonl"
+  passed=$(grep -c '"verdict": "PASS"' "$OUT/soak.jsonl")
+  verdict="soak: $passed/$expected $( [ "$passed" -eq "$expected" ] && [ $rc -eq 0 ] && echo PASS || echo FAIL)"
+  note "CUDA soak ($mode, ${GPU_CHECK_SOAK_STEPS:-100000} steps each): exit $rc in $(( $(date +%s) - start )) s | $verdict"
+  mapfile -t lines < <(grep -E 'deadline|^  [a-z_]+/[a-z_]+: [0-9]+$' "$OUT/soak.log" | head -n 12 | sed 's/^/  /')
   summary+=("${lines[@]}")
-  [ $rc -eq 0 ] || status=1
+  mapfile -t lines < <(python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "error" in r:
+        print("  %s: FAIL: %s" % (r["combination"], r["error"])); continue
+    print("  %s/%s: %s, %d steps in %.0f s (%d/s), %d rows bit-exact, device %d KiB after warm-up, growth %d KiB; host RSS %d KiB, growth %d KiB (limits %d / %d KiB, %d runs share the probes)" % (
+        r["copy"], r["storage"], r["verdict"], r["steps"], r["seconds"], r["steps_per_s"], r["rows_checked"],
+        r["kib_after_warmup"], r["growth_kib"], r["rss_kib_after_warmup"], r["rss_growth_kib"],
+        r["device_limit_kib"], r["rss_limit_kib"], r["runs_sharing_probes"]))
+    print("    us per step: %s" % r["us_per_step"])' "$OUT/soak.jsonl")
+  summary+=("${lines[@]}")
+  summary+=("$verdict")
+  [ $rc -eq 0 ] && [ "$passed" -eq "$expected" ] || status=1
 fi
 
 {

@@ -6,6 +6,15 @@
 # (JSON lines). Writes to $OUT (default build/gpu_check_multi): summary.txt (printed last),
 # parallel_bench.jsonl, gpu_check_multi.tgz (every log). doctest and Google Benchmark may come from
 # .deps/ (scripts/stage_deps.sh). Exit status 0 only if everything passed.
+#
+# Expected on 2 H200s (16+ cores), 3 to 4 minutes in all, each part bounded:
+# - build of the three targets from scratch: 1 to 3 minutes (one heavy translation unit each,
+#   built side by side; about 3 minutes in all with -j2 on a 2-core machine);
+# - parallel_tests: under a minute (4 to 23 s on a 2-core machine); limit 240 s;
+# - multi_gpu_tests: seconds (2 s in the last run); each rank's watchdog ends it after 60 s without
+#   progress or 120 s in all, naming the rank, test case, seed, operation, step and layer it waited
+#   in (tests/support/deadline.hpp); `timeout` 180 s is the last resort;
+# - parallel_bench: seconds; the same watchdog with 60 s / 120 s; `timeout` 180 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -37,22 +46,30 @@ note "build: ok in $(( $(date +%s) - start )) s"
 
 doctest_line() { grep -E '^\[doctest\] test cases' "$1" | tail -n1 | sed 's/\[doctest\] //'; }
 
-timeout 300 build/multi/tests/parallel_tests >"$WORK/parallel_tests.log" 2>&1; rc=$?
-note "parallel_tests (host backend, ranks as threads): exit $rc | $(doctest_line "$WORK/parallel_tests.log")"
+start=$(date +%s)
+timeout 240 build/multi/tests/parallel_tests >"$WORK/parallel_tests.log" 2>&1; rc=$?
+note "parallel_tests (host backend, ranks as threads): exit $rc in $(( $(date +%s) - start )) s | $(doctest_line "$WORK/parallel_tests.log")"
 [ $rc -eq 0 ] || status=1
 
 start=$(date +%s)
-RR_MULTI_GPU_LOG_DIR="$WORK/tests" timeout 540 build/multi/tests/multi_gpu_tests >"$WORK/multi_gpu_tests.log" 2>&1; rc=$?
+RR_MULTI_GPU_LOG_DIR="$WORK/tests" RR_MULTI_GPU_STALL_S=60 RR_MULTI_GPU_DEADLINE_S=120 timeout 180 \
+  build/multi/tests/multi_gpu_tests >"$WORK/multi_gpu_tests.log" 2>&1; rc=$?
 note "multi_gpu_tests (2 processes, NCCL): exit $rc in $(( $(date +%s) - start )) s"   # 77 (fewer than 2 GPUs) fails here
 for log in "$WORK"/tests/rank*.log; do
   [ -f "$log" ] && note "  $(basename "$log" .log): $(doctest_line "$log")"
 done
+deadline_lines() { grep -h 'DEADLINE' "$@" 2>/dev/null | head -n 4 | sed 's/^/  /'; }
+mapfile -t lines < <(deadline_lines "$WORK"/tests/rank*.log; sed 's/^/  launcher: /' "$WORK/multi_gpu_tests.log" | grep -v ': passed')
+summary+=("${lines[@]}")
 [ $rc -eq 0 ] || { status=1; tail -n 30 "$WORK"/tests/rank*.log; }
 
 start=$(date +%s)
-RR_MULTI_GPU_LOG_DIR="$WORK/bench" timeout 300 build/multi/benchmarks/parallel_bench >"$WORK/parallel_bench.log" 2>&1; rc=$?
+RR_MULTI_GPU_LOG_DIR="$WORK/bench" RR_BENCH_STALL_S=60 RR_BENCH_DEADLINE_S=120 timeout 180 \
+  build/multi/benchmarks/parallel_bench >"$WORK/parallel_bench.log" 2>&1; rc=$?
 cat "$WORK"/bench/rank*.log 2>/dev/null | grep '^{' >"$RESULTS/parallel_bench.jsonl"
 note "parallel_bench: exit $rc in $(( $(date +%s) - start )) s, $(wc -l <"$RESULTS/parallel_bench.jsonl") results -> $RESULTS/parallel_bench.jsonl"
+mapfile -t lines < <(deadline_lines "$WORK"/bench/rank*.log; sed 's/^/  launcher: /' "$WORK/parallel_bench.log" | grep -v ': passed')
+summary+=("${lines[@]}")
 [ $rc -eq 0 ] || { status=1; tail -n 20 "$WORK"/bench/rank*.log; }
 mapfile -t lines < <(python3 - "$RESULTS/parallel_bench.jsonl" <<'EOF'
 import json, sys

@@ -5,8 +5,11 @@
 # ones checked bit-exact; resident memory is sampled and must stay flat after warm-up. Prints one
 # JSON line per strategy (steps/s, rows checked, memory after warm-up and at the end, growth).
 #
-#   scripts/soak.sh [STEPS] [--max-growth-kib K]      host backend (CI runs 100000)
-#   scripts/soak.sh [STEPS] --cuda                    CUDA backend at N_max 8192, L 48, K 8 (GPU)
+#   scripts/soak.sh [STEPS] [--max-growth-kib K]      host backend, eight combinations (CI runs 100000)
+#   scripts/soak.sh [STEPS] --scale [--concurrent]    the same at the CUDA soak's scale (N_max 8192,
+#                                                     L 48, K 8) on the host backend
+#   scripts/soak.sh [STEPS] --cuda                    CUDA backend at N_max 8192, L 48, K 8 (GPU):
+#                                                     STEPS per combination, all eight at once
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -19,8 +22,8 @@ cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCM
 if [ "${1:-}" = "--cuda" ]; then
   shift
   cmake --build build/ci -j "$(build_jobs)" --target gpu_tests
-  echo "== CUDA soak: ${steps} steps per copy strategy"
-  ROUTING_REPLAY_SOAK_STEPS="$steps" build/ci/tests/gpu_tests --no-skip -tc="CUDA soak*" "$@"
+  echo "== CUDA soak: ${steps} steps per combination, the eight at once (one thread each)"
+  ROUTING_REPLAY_SOAK_STEPS="$steps" build/ci/tests/gpu_tests --no-skip -tc="CUDA concurrent soak*" "$@"
 else
   cmake --build build/ci -j "$(build_jobs)" --target soak
   echo "== host soak: ${steps} steps in all"

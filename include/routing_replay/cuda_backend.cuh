@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -223,8 +224,10 @@ struct cuda_backend {
   static void launch_dependent_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
   {
     if (num_blocks <= 0 || block_threads <= 0) { return; }
-    static bool refused = false;  // the same answer for every launch in this process
-    if (dependent_launches && !refused) {
+    // the same answer for every launch in this process; atomic: replays on several host threads
+    // (ranks as threads, the concurrent CUDA soak) launch at once
+    static std::atomic<bool> refused{false};
+    if (dependent_launches && !refused.load(std::memory_order_relaxed)) {
       cudaLaunchAttribute attribute{};
       attribute.id                                         = cudaLaunchAttributeProgrammaticStreamSerialization;
       attribute.val.programmaticStreamSerializationAllowed = 1;
@@ -236,7 +239,7 @@ struct cuda_backend {
       config.numAttrs = 1;
       if (cudaLaunchKernelEx(&config, detail::dependent_block_kernel<Op>, op) == cudaSuccess) { return; }
       (void)cudaGetLastError();  // clear the refusal: a plain launch follows
-      refused = true;
+      refused.store(true, std::memory_order_relaxed);
     }
     launch_async(num_blocks, block_threads, op, stream);
   }

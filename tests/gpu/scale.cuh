@@ -3,7 +3,9 @@
 /// K 8, E 128 (Qwen3-30B-A3B's shape), bit-exact against the reference model, device memory
 /// sampled (nothing is allocated after construction, so it must not grow). The schedule TUs run
 /// check_at_scale for their strategies (thousands of steps), and soak_at_scale (the CUDA soak,
-/// skipped unless asked for: scripts/soak.sh STEPS --cuda) for ROUTING_REPLAY_SOAK_STEPS steps.
+/// skipped unless asked for: scripts/soak.sh STEPS --cuda) for ROUTING_REPLAY_SOAK_STEPS steps;
+/// they register their soaks, and soak_all_at_once runs every registered one in threads of one
+/// process (scripts/gpu_check.sh, part soak).
 #pragma once
 
 #include "../support/soak.hpp"
@@ -12,40 +14,15 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <numeric>
+#include <string>
+#include <tuple>
 #include <vector>
 
 namespace rr_test {
-
-/// @brief The host soak's engine at scale: prompts of up to ~2000 tokens in chunks of up to 8192 rows a
-/// step, outputs of up to 256, on a pool for 32 running requests.
-inline sim_config scale_schedule()
-{
-  auto c                = soak_schedule();
-  c.max_tokens_per_step = 8192;
-  c.max_model_len       = 4096;
-  c.num_blocks          = 6144;
-  c.num_requests        = 64;
-  c.prompt_extra        = 2000;
-  c.max_output          = 256;
-  return c;
-}
-
-/// @brief L = 48 MoE layers of 49 (model layer 0 is dense), K = 8 of E = 128.
-inline harness_shape scale_shape()
-{
-  harness_shape s;
-  s.num_experts              = 128;
-  s.top_k                    = 8;
-  s.num_fused_shared_experts = 0;
-  s.moe_layers.resize(48);
-  std::iota(s.moe_layers.begin(), s.moe_layers.end(), 1);
-  s.num_model_layers = 49;
-  return s;
-}
 
 /// @brief Device memory in use, KiB.
 inline std::int64_t device_used_kib()
@@ -66,26 +43,65 @@ void check_at_scale()
   CHECK_MESSAGE(r.growth() <= 2048, "device memory grew by " << r.growth() << " KiB after warm-up");
 }
 
-/// @brief The CUDA soak: ROUTING_REPLAY_SOAK_STEPS steps (default 100000), device and host memory
-/// flat after warm-up.
+/// @brief The CUDA soak of one combination: `o.steps` steps at scale, bit-exact (the harness
+/// fails at the first mismatch), device memory (cudaMemGetInfo) and host resident memory flat after
+/// warm-up. Both probes are the whole device's and the whole process's: when `o.runs` runs share
+/// them (soak_all_at_once), each run's window sees every run's memory, and the limits are the
+/// single run's (2 MiB device, 8 MiB host) times `o.runs`. Prints one JSON line; returns whether
+/// the run passed.
 template <class RR>
-void soak_at_scale()
+bool soak_at_scale(const soak_options& o = soak_options{
+                     .steps = soak_steps_from_env(), .runs = 1, .hooks = {}, .progress = nullptr})
 {
-  const char* env          = std::getenv("ROUTING_REPLAY_SOAK_STEPS");
-  const std::int64_t steps = env != nullptr ? std::strtoll(env, nullptr, 10) : 100000;
   std::vector<std::int64_t> rss;  // host resident memory, sampled with the device's
-  const auto r = run_soak<RR>(scale_schedule(), scale_shape(), steps, 20261122, [&] {
+  const auto chunk = std::max<std::int64_t>(o.steps / 50, 1);
+  const auto r     = run_soak<RR>(scale_schedule(), scale_shape(), o.steps, 20261122, [&] {
     rss.push_back(resident_kib());
+    if (o.progress != nullptr) { *o.progress += chunk; }
     return device_used_kib();
-  });
-  const std::int64_t rss_growth = rss.back() - rss[rss.size() / 5];
-  std::printf("%s\n{\"soak\": \"cuda\", \"copy\": \"%s\", \"storage\": \"%s\", \"memory\": \"rss\", \"growth_kib\": %lld}\n",
-              soak_json<RR>(r, "cuda", "device").c_str(), RR::copy_type::name, RR::storage_type::name,
-              static_cast<long long>(rss_growth));
+  }, o.hooks);
+  const std::int64_t rss_growth   = rss.back() - rss[rss.size() / 5];
+  const std::int64_t device_limit = 2048 * std::int64_t{o.runs};
+  const std::int64_t rss_limit    = 8192 * std::int64_t{o.runs};
+  const bool passed = r.rows_checked > 0 && r.growth() <= device_limit && rss_growth <= rss_limit;
+  char extra[512];
+  std::snprintf(extra, sizeof extra,
+                "\"rss_kib_after_warmup\": %lld, \"rss_kib_end\": %lld, \"rss_growth_kib\": %lld, "
+                "\"runs_sharing_probes\": %d, \"device_limit_kib\": %lld, \"rss_limit_kib\": %lld, \"verdict\": \"%s\"",
+                static_cast<long long>(rss[rss.size() / 5]), static_cast<long long>(rss.back()),
+                static_cast<long long>(rss_growth), o.runs, static_cast<long long>(device_limit),
+                static_cast<long long>(rss_limit), passed ? "PASS" : "FAIL");
+  std::printf("%s\n", soak_json<RR>(r, "cuda", "device", extra).c_str());
   std::fflush(stdout);
   CHECK(r.rows_checked > 0);
-  CHECK_MESSAGE(r.growth() <= 2048, "device memory grew by " << r.growth() << " KiB after warm-up");
-  CHECK_MESSAGE(rss_growth <= 8192, "host resident memory grew by " << rss_growth << " KiB after warm-up");
+  CHECK_MESSAGE(r.growth() <= device_limit, "device memory grew by " << r.growth() << " KiB after warm-up");
+  CHECK_MESSAGE(rss_growth <= rss_limit, "host resident memory grew by " << rss_growth << " KiB after warm-up");
+  return passed;
+}
+
+/// @brief The combinations the schedule TUs registered (register_soaks), in registration order.
+inline std::vector<soak_entry>& soak_registry()
+{
+  static std::vector<soak_entry> entries;
+  return entries;
+}
+
+/// @brief Registers soak_at_scale of every type of the tuple (called at static initialization by
+/// the TU that already instantiates them, so no TU compiles another's combinations).
+template <class... RR>
+bool register_soaks(std::tuple<RR...>* /*types*/)
+{
+  (soak_registry().push_back(
+     {std::string{RR::copy_type::name} + "/" + RR::storage_type::name, &soak_at_scale<RR>}),
+   ...);
+  return true;
+}
+
+/// @brief The CUDA soak of every registered combination at once (soak_all_at_once), or of those
+/// named in `only` ("copy/storage", comma-separated).
+inline void cuda_soak_all_at_once(std::int64_t steps, const std::string& only, std::int64_t deadline_s)
+{
+  soak_all_at_once("cuda", soak_registry(), steps, only, deadline_s);
 }
 
 }  // namespace rr_test

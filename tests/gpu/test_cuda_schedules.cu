@@ -10,6 +10,8 @@
 
 #include <doctest/doctest.h>
 
+#include <cstdlib>
+
 namespace rr = routing_replay;
 
 TEST_CASE_TEMPLATE_DEFINE("CUDA: randomized schedules match the reference model", RR, schedules_cuda)
@@ -37,3 +39,20 @@ TEST_CASE_TEMPLATE_DEFINE("CUDA soak: device and host memory flat after warm-up"
   rr_test::soak_at_scale<RR>();
 }
 TEST_CASE_TEMPLATE_APPLY(soak_cuda, scale_types_sync_async);
+
+namespace {
+[[maybe_unused]] const bool soaks_registered = rr_test::register_soaks(static_cast<scale_types_sync_async*>(nullptr));
+}  // namespace
+
+// Every registered combination (this TU's four and test_cuda_schedules_ring.cu's four) at once, one
+// thread each in this process: ROUTING_REPLAY_SOAK_STEPS steps each (default 100000), only those
+// named in ROUTING_REPLAY_SOAK_ONLY ("sync/block_slot,async_event/per_request"; default all), under
+// a watchdog of ROUTING_REPLAY_SOAK_DEADLINE_S seconds (default none). scripts/gpu_check.sh, part soak.
+TEST_CASE("CUDA concurrent soak: every combination at once in threads, bit-exact, device and host memory flat" *
+          doctest::skip())
+{
+  const char* only     = std::getenv("ROUTING_REPLAY_SOAK_ONLY");
+  const char* deadline = std::getenv("ROUTING_REPLAY_SOAK_DEADLINE_S");
+  rr_test::cuda_soak_all_at_once(rr_test::soak_steps_from_env(), only != nullptr ? only : "",
+                            deadline != nullptr ? std::strtoll(deadline, nullptr, 10) : 0);
+}

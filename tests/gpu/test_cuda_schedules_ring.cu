@@ -43,3 +43,7 @@ TEST_CASE_TEMPLATE_DEFINE("CUDA soak: device and host memory flat after warm-up 
   rr_test::soak_at_scale<RR>();
 }
 TEST_CASE_TEMPLATE_APPLY(soak_cuda_ring, scale_types_ring);
+
+namespace {
+[[maybe_unused]] const bool soaks_registered = rr_test::register_soaks(static_cast<scale_types_ring*>(nullptr));
+}  // namespace

@@ -6,6 +6,7 @@
 /// change; only the span in device memory says which rows are this rank's.
 #pragma once
 
+#include "deadline.hpp"
 #include "harness.hpp"
 
 #include <routing_replay/routing_replay.hpp>
@@ -72,20 +73,27 @@ class dp_driver {
       for (std::int64_t i = at; i < all_rows_; ++i) { io_.meta_host[static_cast<std::size_t>(i)] = row_meta{-2, i, -1}; }
       span_host_[0] = {first, own.plan.num_rows()};
       own.plan.set_padded_rows(own.plan.num_rows());  // the replay writes exactly this rank's rows
+      auto& now = progress();  // what a watchdog reports if this rank hangs
+      now.at("begin_step", static_cast<std::int64_t>(serial_ + 1));
       lib_.begin_step(own.plan, s);
       model_.begin_step(own.plan);  // its fresh blocks
       backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host), io_.meta_host.size() * sizeof(row_meta), s);
       backend::copy_async(backend::data(span_dev_), backend::data(span_host_), sizeof(routing_replay::row_span), s);
+      now.at("the recorded forward (CUDA graph launch)", static_cast<std::int64_t>(serial_ + 1));
       replay(s);
+      now.at("end_step", static_cast<std::int64_t>(serial_ + 1));
       lib_.end_step(s);
+      now.at("stream synchronize after end_step", static_cast<std::int64_t>(serial_ + 1));
       backend::synchronize(s);
       ++serial_;
+      now.at("settling the step (reference model, extractions)", static_cast<std::int64_t>(serial_));
       model_.file_step(own.plan, serial_, [&](std::int64_t row) { return routed_row<index>(own.rows[static_cast<std::size_t>(row)], shape_); });
       for (std::size_t r = 0; r < steps.size(); ++r) {
         const auto outcome = engines_[r].complete_step(steps[r]);
         if (static_cast<int>(r) == rank_) { settle(outcome); }
       }
     }
+    progress().at("drain", static_cast<std::int64_t>(serial_));
     lib_.drain();
   }
 

@@ -12,6 +12,8 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <random>
@@ -74,15 +76,27 @@ inline routing_replay::replay_config make_replay_config(const sim_config& sim, c
   return c;
 }
 
-/// @brief The row the synthetic router produces for `m`: every captured layer's K ids.
+/// @brief The row the synthetic router produces for `m`: every captured layer's K ids (the same
+/// values as routed_expert() cell by cell, with the row's hash computed once and a mask instead of
+/// a division where E is a power of two: the reference model builds every filed row, which
+/// dominated the CUDA soak's host time at L 48, K 8).
 template <class Index>
 [[nodiscard]] std::vector<Index> routed_row(const row_meta& m, const harness_shape& shape)
 {
-  std::vector<Index> row;
-  for (std::size_t slot = 0; slot < shape.moe_layers.size(); ++slot) {
-    for (std::int32_t k = 0; k < shape.top_k; ++k) {
-      row.push_back(static_cast<Index>(routed_expert(m, static_cast<std::int32_t>(slot), k, shape.num_experts)));
+  const auto layers     = static_cast<std::int32_t>(shape.moe_layers.size());
+  const std::uint64_t h = routed_row_hash(m);
+  const auto e          = static_cast<std::uint64_t>(shape.num_experts);
+  std::vector<Index> row(static_cast<std::size_t>(layers) * static_cast<std::size_t>(shape.top_k));
+  auto fill = [&](auto reduce) {
+    std::size_t i = 0;
+    for (std::int32_t slot = 0; slot < layers; ++slot) {
+      for (std::int32_t k = 0; k < shape.top_k; ++k) { row[i++] = static_cast<Index>(reduce(routed_mix(h, slot, k))); }
     }
+  };
+  if ((e & (e - 1)) == 0) {
+    fill([mask = e - 1](std::uint64_t x) { return x & mask; });
+  } else {
+    fill([e](std::uint64_t x) { return x % e; });
   }
   return row;
 }
@@ -136,7 +150,9 @@ std::int64_t compare_extraction(Lib& lib, const reference_model<Index>& model, r
   const auto flat = got.flat();
   REQUIRE(flat.size() == expected.size());
   const std::int64_t row_size = lib.row_size();
-  for (std::size_t i = 0; i < expected.size(); ++i) {
+  // one pass over the whole extraction; only a mismatch is located cell by cell (for its message)
+  const bool same = std::equal(expected.begin(), expected.end(), flat.begin());
+  for (std::size_t i = 0; !same && i < expected.size(); ++i) {
     if (flat[i] != expected[i]) {
       std::ostringstream where;
       where << "request " << key.to_string() << " position "
@@ -152,6 +168,35 @@ std::int64_t compare_extraction(Lib& lib, const reference_model<Index>& model, r
   }
   return end - o.start_position;
 }
+
+/// @brief Where a harness's steps spend their wall time, by phase (seconds, summed over steps). The
+/// soak prints it, so a slow run says whether the library, the simulated engine or the check is slow.
+struct step_phases {
+  double plan    = 0;  ///< the simulated engine schedules the step; requests and prefixes admitted
+  double begin   = 0;  ///< library and model begin_step
+  double forward = 0;  ///< the router and the capture paths enqueued (on the host backend, run on its worker)
+  double end     = 0;  ///< library end_step (sync_copy: waits for the copy and files)
+  double sync    = 0;  ///< the engine waits for its stream (the device finishes the step)
+  double model   = 0;  ///< the reference model files the step's expected rows
+  double outcome = 0;  ///< drafts accepted, requests released and aborted (library and model)
+  double check   = 0;  ///< extractions compared with the model
+  std::int64_t rows_filed = 0;  ///< plan rows of the steps (what the model files)
+  [[nodiscard]] double total() const noexcept { return plan + begin + forward + end + sync + model + outcome + check; }
+};
+
+/// @brief Adds the time since the previous lap (or construction) to a phase.
+class phase_clock {
+ public:
+  void lap(double& phase) noexcept
+  {
+    const auto now = std::chrono::steady_clock::now();
+    phase += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
 
 /// @brief Runs one randomized schedule; throws doctest failures on the first mismatch.
 template <class RR>
@@ -244,6 +289,8 @@ class replay_harness {
   typename backend::stream_ref stream_ref() noexcept { return io_.stream.ref(); }
   /// @brief Rows compared so far.
   [[nodiscard]] std::int64_t rows_checked() const noexcept { return rows_checked_; }
+  /// @brief Where the steps so far spent their time.
+  [[nodiscard]] const step_phases& phases() const noexcept { return phases_; }
 
  private:
   capture_path random_path()
@@ -259,6 +306,7 @@ class replay_harness {
 
   void one_step()
   {
+    phase_clock clock;
     auto step = engine_.next_step();
     admit_step(lib_, model_, engine_, step);
 
@@ -273,10 +321,12 @@ class replay_harness {
       io_.meta_host[static_cast<std::size_t>(i)] =
         i < n ? step.rows[static_cast<std::size_t>(i)] : row_meta{-2, i, -1};  // padding rows
     }
+    clock.lap(phases_.plan);
     auto s = stream_ref();
     lib_.begin_step(step.plan, s);
     model_.begin_step(step.plan);
     ++serial_;
+    clock.lap(phases_.begin);
     backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host),
                         static_cast<std::size_t>(padded) * sizeof(row_meta), s);
     if (forward_) {
@@ -284,9 +334,14 @@ class replay_harness {
     } else {
       forward_layers(padded);
     }
+    clock.lap(phases_.forward);
     lib_.end_step(s);
+    clock.lap(phases_.end);
     backend::synchronize(s);  // the engine reads back its sampled tokens
+    clock.lap(phases_.sync);
     model_.file_step(step.plan, serial_, [&](std::int64_t row) { return expected_row(step.rows[static_cast<std::size_t>(row)]); });
+    phases_.rows_filed += n;
+    clock.lap(phases_.model);
 
     const auto outcome = engine_.complete_step(step);
     for (const auto& [number, accepted] : outcome.accepts) {
@@ -296,7 +351,9 @@ class replay_harness {
     }
     for (const std::int32_t number : outcome.finished) {
       const auto key = engine_.requests()[static_cast<std::size_t>(number)].key();
+      clock.lap(phases_.outcome);
       compare(key, routing_replay::extract_options{});
+      clock.lap(phases_.check);
       lib_.release(key);
       model_.remove(key);
     }
@@ -305,6 +362,7 @@ class replay_harness {
       lib_.abort(key);
       model_.remove(key);
     }
+    clock.lap(phases_.outcome);
     if (engine_.chance(0.3)) {  // mid-flight extraction of a live request, from an offset
       const std::int32_t number = engine_.some_running();
       if (number >= 0) {
@@ -316,6 +374,7 @@ class replay_harness {
         compare(key, o);
       }
     }
+    clock.lap(phases_.check);
   }
 
   [[nodiscard]] std::vector<index> expected_row(const row_meta& m) const { return routed_row<index>(m, shape_); }
@@ -336,6 +395,7 @@ class replay_harness {
   std::function<void(std::int64_t)> forward_;
   std::uint64_t serial_       = 0;
   std::int64_t rows_checked_  = 0;
+  step_phases phases_;
 };
 
 /// @brief Runs one randomized schedule per seed: seeds divisible by 4 use the contended KV pool

@@ -57,6 +57,15 @@ inline rank_args take_rank_args(int& argc, char** argv)
   return a;
 }
 
+/// @brief The environment variable `name` as seconds (`fallback` when unset or not a number).
+inline long long env_seconds(const char* name, long long fallback)
+{
+  const char* v = std::getenv(name);
+  char* end     = nullptr;
+  const long long n = v != nullptr ? std::strtoll(v, &end, 10) : 0;
+  return v != nullptr && end != v && n > 0 ? n : fallback;
+}
+
 /// @brief GPUs visible to this process (0 without a driver).
 inline int gpu_count()
 {
@@ -122,9 +131,14 @@ inline int launch_ranks(int argc, char** argv, int size, const char* log_dir, in
       }
     }
     if (running > 0 && clock::now() > deadline) {
-      std::printf("ranks still running at the time limit: killed\n");
+      // the ranks' own watchdogs (deadline.hpp) should have ended them first, saying what they
+      // waited for; this is the last resort
       for (std::size_t r = 0; r < pids.size(); ++r) {
-        if (!done[r]) { ::kill(pids[r], SIGKILL); ::waitpid(pids[r], nullptr, 0); }
+        if (!done[r]) {
+          std::printf("rank %zu: still running at the launcher's time limit: killed (its log says what it did last)\n", r);
+          ::kill(pids[r], SIGKILL);
+          ::waitpid(pids[r], nullptr, 0);
+        }
       }
       status = 1;
       break;

@@ -6,6 +6,7 @@
 /// every extraction bit-exact against the reference model.
 #pragma once
 
+#include "deadline.hpp"
 #include "harness.hpp"
 
 #include <routing_replay/parallel/parallel_replay.hpp>
@@ -121,6 +122,7 @@ class rank_driver {
                      static_cast<std::int64_t>(shape_.moe_layers.size()) * shape_.top_k);
     }
     for (std::int32_t step = 0; step < max_steps && !engine_.done(); ++step) { one_step(host, filing); }
+    progress().at("drain", static_cast<std::int64_t>(serial_));
     replay_.drain();
     if (host != nullptr) { filing.before_read(); }
     for (const std::int32_t number : engine_.abort_all()) {
@@ -157,14 +159,22 @@ class rank_driver {
       io_.meta_host[static_cast<std::size_t>(i)] = g < n ? step.rows[static_cast<std::size_t>(g)] : row_meta{-2, g, -1};
     }
     filing.planned(step.plan);
-    auto s = io_.stream.ref();
+    auto s    = io_.stream.ref();
+    auto& now = progress();  // what a watchdog reports if this rank hangs
+    now.at("begin_step", static_cast<std::int64_t>(serial_ + 1));
     replay_.begin_step(step.plan, s);
     if (host != nullptr) { model_->begin_step(step.plan); }  // its fresh blocks
     ++serial_;
     backend::copy_async(backend::data(io_.meta_dev), backend::data(io_.meta_host), static_cast<std::size_t>(rows) * sizeof(row_meta), s);
-    for (std::int32_t l = 0; l < num_slots_; ++l) { forward_layer(first_slot_ + l, rows); }
+    for (std::int32_t l = 0; l < num_slots_; ++l) {
+      now.at("capture", static_cast<std::int64_t>(serial_), first_slot_ + l);
+      forward_layer(first_slot_ + l, rows);
+    }
+    now.at("end_step (the step's gather, stage merge or copy)", static_cast<std::int64_t>(serial_));
     replay_.end_step(s);
+    now.at("stream synchronize after end_step", static_cast<std::int64_t>(serial_));
     backend::synchronize(s);  // the engine reads back its sampled tokens
+    now.at("filing the step (packets, reference model)", static_cast<std::int64_t>(serial_));
     filing.ended();
     if (host != nullptr) {
       model_->file_step(step.plan, serial_, [&](std::int64_t row) {
@@ -202,6 +212,7 @@ class rank_driver {
   void compare(Host* host, std::int32_t number, const routing_replay::extract_options& o)
   {
     const auto key = engine_.requests()[static_cast<std::size_t>(number)].key();
+    progress().at("extract (files the steps in flight)", static_cast<std::int64_t>(serial_));
     rows_checked_ += compare_extraction(*host, *model_, key, o, [&] { return uniform(output_rng_, 0, 3) == 0; });
   }
 

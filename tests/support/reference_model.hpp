@@ -14,6 +14,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace rr_test {
@@ -38,7 +39,9 @@ class reference_model {
       overwrite_(overwrite),
       block_size_(block_size),
       row_size_(row_size),
-      generation_(static_cast<std::size_t>(std::max<std::int64_t>(num_blocks, 0)), 0)
+      generation_(static_cast<std::size_t>(std::max<std::int64_t>(num_blocks, 0)), 0),
+      // sized with either storage: a plan's fresh blocks clear their slots whatever the storage
+      slot_rows_(static_cast<std::size_t>(std::max<std::int64_t>(num_blocks, 0) * block_size))
   {
   }
 
@@ -129,8 +132,8 @@ class reference_model {
     std::vector<Index> out;
     for (const std::int64_t b : blocks) {
       for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot) {
-        if (const auto it = slot_rows_.find(slot); it != slot_rows_.end()) {
-          out.insert(out.end(), it->second.begin(), it->second.end());
+        if (const auto& held = slot_row(slot)) {
+          out.insert(out.end(), held->begin(), held->end());
         } else {
           out.insert(out.end(), static_cast<std::size_t>(row_size_), routing_replay::index_traits<Index>::sentinel);
         }
@@ -148,9 +151,9 @@ class reference_model {
     for (const std::int64_t b : blocks) {
       for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, at += row_size_) {
         if (*at != routing_replay::index_traits<Index>::sentinel) {
-          slot_rows_[slot] = row(at, at + row_size_);
+          slot_row(slot) = row(at, at + row_size_);
         } else {
-          slot_rows_.erase(slot);
+          slot_row(slot).reset();
         }
       }
     }
@@ -162,11 +165,12 @@ class reference_model {
   {
     const auto& r = requests_.at(id.to_string());
     std::vector<Index> out;
+    out.reserve(static_cast<std::size_t>(std::max<std::int64_t>(end - begin, 0) * row_size_));
     for (std::int64_t pos = begin; pos < end; ++pos) {
       const row* found = nullptr;
       if (slot_storage_) {
         const auto it = r.at.find(pos);
-        if (it != r.at.end() && valid(it->second)) { found = &slot_rows_.at(it->second.slot); }
+        if (it != r.at.end() && valid(it->second)) { found = &*slot_row(it->second.slot); }
       } else if (const auto it = r.rows.find(pos); it != r.rows.end()) {
         found = &it->second;
       }
@@ -207,40 +211,50 @@ class reference_model {
   [[nodiscard]] slot_at at_slot(std::int64_t slot) const { return {slot, generation_[block_of(slot)]}; }
   [[nodiscard]] bool valid(const slot_at& a) const
   {
-    return generation_[block_of(a.slot)] == a.generation && slot_rows_.count(a.slot) != 0;
+    return generation_[block_of(a.slot)] == a.generation && slot_row(a.slot).has_value();
+  }
+
+  [[nodiscard]] std::optional<row>& slot_row(std::int64_t slot) { return slot_rows_[static_cast<std::size_t>(slot)]; }
+  [[nodiscard]] const std::optional<row>& slot_row(std::int64_t slot) const
+  {
+    return slot_rows_[static_cast<std::size_t>(slot)];
   }
 
   void refresh(std::span<const std::int64_t> blocks)
   {
     for (const std::int64_t b : blocks) {
       ++generation_[static_cast<std::size_t>(b)];
-      for (std::int64_t s = b * block_size_; s < (b + 1) * block_size_; ++s) { slot_rows_.erase(s); }
+      for (std::int64_t s = b * block_size_; s < (b + 1) * block_size_; ++s) { slot_row(s).reset(); }
     }
   }
 
-  // true when this write's own row landed (so a tentative write owns it)
-  bool write(request& r, std::int64_t pos, std::int64_t slot, const row& value, bool replace)
+  // true when this write's own row landed (so a tentative write owns it). `value` is moved into
+  // place, and a prior row followed by pointer: at L 48, K 8 a row is 768 bytes, and copying it
+  // twice per filed row was most of the model's time in the CUDA soak.
+  bool write(request& r, std::int64_t pos, std::int64_t slot, row value, bool replace)
   {
     if (!slot_storage_) {
       if (!replace && r.rows.count(pos) != 0) { return false; }
-      r.rows[pos] = value;
+      r.rows[pos] = std::move(value);
       return true;
     }
-    std::optional<row> prior;
+    const row* prior = nullptr;  // map nodes stay put while other keys are inserted
     if (const auto it = r.at.find(pos); it != r.at.end() && valid(it->second)) {
-      prior = slot_rows_.at(it->second.slot);
+      prior = &*slot_row(it->second.slot);
     }
     r.at[pos] = at_slot(slot);
     if (replace) {
-      slot_rows_[slot] = value;
+      slot_row(slot) = std::move(value);
       return true;
     }
-    if (slot_rows_.count(slot) != 0) { return false; }
-    if (prior) {
-      slot_rows_[slot] = *prior;
+    auto& here = slot_row(slot);
+    if (here) { return false; }
+    if (prior != nullptr) {
+      row kept = *prior;  // prior is another slot's row (this slot held none)
+      here = std::move(kept);
       return false;
     }
-    slot_rows_[slot] = value;
+    here = std::move(value);
     return true;
   }
 
@@ -251,7 +265,7 @@ class reference_model {
       return;
     }
     const auto it = r.at.find(pos);
-    if (it != r.at.end() && it->second.slot == slot && valid(it->second)) { slot_rows_.erase(slot); }
+    if (it != r.at.end() && it->second.slot == slot && valid(it->second)) { slot_row(slot).reset(); }
     r.at.erase(pos);
   }
 
@@ -260,7 +274,9 @@ class reference_model {
   std::int64_t block_size_;
   std::int64_t row_size_;
   std::vector<std::uint32_t> generation_;
-  std::map<std::int64_t, row> slot_rows_;
+  // block-slot storage: the row at each slot of the pool, if any (indexed by slot: a map of 98,304
+  // slots at the soak's scale cost a tree walk per filed and extracted row)
+  std::vector<std::optional<row>> slot_rows_;
   std::map<std::string, request> requests_;
 };
 

@@ -17,20 +17,35 @@ struct row_meta {
   std::int64_t salt     = 0;
 };
 
+/// @brief The part of routed_expert() that depends on the row only: a host computing a whole row
+/// (the reference model, 384 ids a row at scale) hashes it once.
+ROUTING_REPLAY_HOST_DEVICE inline std::uint64_t routed_row_hash(const row_meta& m) noexcept
+{
+  std::uint64_t x = static_cast<std::uint64_t>(m.request + 3) * 0x9E3779B97F4A7C15ull;
+  x ^= static_cast<std::uint64_t>(m.position + 1) * 0xBF58476D1CE4E5B9ull;
+  x ^= static_cast<std::uint64_t>(m.salt + 7) * 0x94D049BB133111EBull;
+  return x;
+}
+
+/// @brief The unreduced pick of routed_expert() for a row hash (routed_row_hash) and a cell.
+ROUTING_REPLAY_HOST_DEVICE inline std::uint64_t routed_mix(std::uint64_t row_hash, std::int32_t layer,
+                                                           std::int32_t column) noexcept
+{
+  std::uint64_t x = row_hash ^ static_cast<std::uint64_t>(layer * 131 + column * 17 + 1);
+  x ^= x >> 31;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 32;
+  return x;
+}
+
 /// @brief The expert the synthetic router picks for (row, captured layer, column).
 ROUTING_REPLAY_HOST_DEVICE inline std::int64_t routed_expert(const row_meta& m,
                                                              std::int32_t layer,
                                                              std::int32_t column,
                                                              std::int64_t num_experts) noexcept
 {
-  std::uint64_t x = static_cast<std::uint64_t>(m.request + 3) * 0x9E3779B97F4A7C15ull;
-  x ^= static_cast<std::uint64_t>(m.position + 1) * 0xBF58476D1CE4E5B9ull;
-  x ^= static_cast<std::uint64_t>(m.salt + 7) * 0x94D049BB133111EBull;
-  x ^= static_cast<std::uint64_t>(layer * 131 + column * 17 + 1);
-  x ^= x >> 31;
-  x *= 0xD6E8FEB86659FD93ull;
-  x ^= x >> 32;
-  return static_cast<std::int64_t>(x % static_cast<std::uint64_t>(num_experts));
+  return static_cast<std::int64_t>(routed_mix(routed_row_hash(m), layer, column) %
+                                   static_cast<std::uint64_t>(num_experts));
 }
 
 /// @brief The id a write puts at (row, column): the router's pick, or `bad_value` at the write's one
