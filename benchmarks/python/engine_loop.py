@@ -14,7 +14,8 @@ its two Python faces, in the scenarios of the C++ engine loop (benchmarks/engine
                in the forward, sync_fwd_experts_buffer_DtoH(positions, {id: tokens}) after it
 
 Each step the device is drained before each timed host call, as ../shared/peers/engine_loop_vs_peer.py
-does, so the figures are host time alone. Prints one JSON line per (api, mode, scenario):
+does, so the figures are host time alone (host backend: its compute stream synchronized, then 1 ms
+for its copy stream's worker). Prints one JSON line per (api, mode, scenario):
 
   plan_us, begin_us, end_us   Replay: plan building, begin_step, end_step (medians of steps)
   host_us                     Replay: plan_us + begin_us + end_us; drop-in: the post-forward call
@@ -246,7 +247,13 @@ def run(api, mode, name, steps, warm, cuda):
     drv = ReplayDriver(device) if api == "replay" else DropInDriver(device)
     if not cuda:
         stream = drv.replay.default_stream
-        sync = stream.synchronize
+
+        def sync():
+            # the host backend's "device" is worker threads: the compute stream, and the replay's copy
+            # stream, which Python cannot reach; a millisecond lets its copy or scatter finish, so the
+            # timed call runs alone on the cores, as it does on a GPU machine
+            stream.synchronize()
+            time.sleep(0.001)
     graphs = {}
 
     def forward(n, capture):
