@@ -13,6 +13,12 @@ can be told from a slow implementation. One JSON line per measurement (medians):
                        on a VM the host may have to back the pages too) - the floor of a step that
                        stores rows in memory never used
   resident_us_per_mb   writing the same memory again (no faults): memory bandwidth
+  shmem_populate_fresh_us_per_mb     mmap(MAP_SHARED | MAP_POPULATE) of a memfd's fresh pages
+  shmem_populate_resident_us_per_mb  the same pages mapped again, populated (they are resident):
+                       what per-request storage pays to map rows kept ahead into a request's range
+  shmem_map_lazy_us    the same mapping without MAP_POPULATE (one call, any size)
+  register_us_per_mb   cudaHostRegister (mapped, portable) of resident pages: what device scatter
+                       pays per byte of new row memory
 Usage: python3 benchmarks/python/floors.py   (a CUDA machine with torch)
 """
 
@@ -36,6 +42,39 @@ def median_us(fn, reps: int, inner: int = 1) -> float:
             fn()
         times.append((time.perf_counter() - t0) * 1e6 / inner)
     return round(statistics.median(times), 3)
+
+
+def shared_memory_floors(mb: int = 32) -> dict:
+    """Per-request storage's mapping costs, measured on a memfd as the library uses one."""
+    import mmap
+    import os
+
+    size = mb << 20
+    populate = getattr(mmap, "MAP_POPULATE", 0x8000)
+    fd = os.memfd_create("floors")
+    os.ftruncate(fd, size)
+    t0 = time.perf_counter()
+    first = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+    t1 = time.perf_counter()
+    again = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+    t2 = time.perf_counter()
+    lazy = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    t3 = time.perf_counter()
+    address = np.frombuffer(first, dtype=np.uint8).ctypes.data
+    cudart = torch.cuda.cudart()
+    t4 = time.perf_counter()
+    status = cudart.cudaHostRegister(address, size, 3)  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    t5 = time.perf_counter()
+    cudart.cudaHostUnregister(address)
+    result = {"shmem_populate_fresh_us_per_mb": round((t1 - t0) * 1e6 / mb, 1),
+              "shmem_populate_resident_us_per_mb": round((t2 - t1) * 1e6 / mb, 1),
+              "shmem_map_lazy_us": round((t3 - t2) * 1e6, 1),
+              "register_us_per_mb": round((t5 - t4) * 1e6 / mb, 1), "register_status": int(status)}
+    del address
+    for m in (lazy, again):
+        m.close()
+    os.close(fd)
+    return result
 
 
 def main() -> None:
@@ -78,6 +117,7 @@ def main() -> None:
         fresh.append((t1 - t0) * 1e6 / mb)
         again.append((t2 - t1) * 1e6 / mb)
         del a
+    out.update(shared_memory_floors())
     out["first_touch_us_per_mb"] = round(statistics.median(fresh), 1)
     out["first_touch_first_us_per_mb"] = round(fresh[0], 1)  # memory this process never had
     out["resident_us_per_mb"] = round(statistics.median(again), 1)
