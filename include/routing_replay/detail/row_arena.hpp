@@ -245,10 +245,18 @@ class row_arena {
       if (::ftruncate(fd, static_cast<off_t>(offset + bytes)) != 0) { return; }  // under the lock: sizes only grow
       p.file_bytes = offset + bytes;
       lock.unlock();
-      // faulted in here, off the engine's thread, and pinned for kernels where they write it
-      void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(offset));
+      // Faulted in here, off the engine's thread, and pinned for kernels where they write it. Page
+      // by page, not with MAP_POPULATE: populating holds the process's mmap lock for the whole
+      // superblock (391 us/MB of fresh shared pages on an H200 host), and the engine's thread, whose
+      // next mmap of a request's range waits for that lock, would wait for the worker; a page fault
+      // holds it for one page, or not at all where the kernel locks the VMA alone.
+      void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
       bool ok  = at != MAP_FAILED;
       if (ok) {
+        const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+        for (std::size_t b = 0; b < bytes; b += page) {  // shared memory reads as zero: writing one keeps it so
+          static_cast<volatile std::byte*>(at)[b] = std::byte{0};
+        }
         try {
           RowMemory::register_host(at, bytes);
         } catch (...) {
