@@ -140,6 +140,31 @@ void plan_schedule(plan_holder& p, nb::handle id, std::int64_t first_position, s
   p.plan.schedule(r);
 }
 
+/// The first position of request `id`'s `count` rows starting at `row` of a step's `positions`,
+/// which must be there and consecutive (chunked prefill, decode, drafts).
+/// @throws error invalid_plan naming the request, the row and the positions
+std::int64_t run_first_position(nb::handle id, const std::int64_t* positions, std::size_t num_positions,
+                                std::size_t row, std::int64_t count)
+{
+  if (count < 0 || count > std::numeric_limits<std::int32_t>::max() ||
+      row + static_cast<std::size_t>(count) > num_positions) {
+    throw error{errc::invalid_plan, "request " + key_of(id).to_string() + ": " + std::to_string(count) +
+                                      " tokens at row " + std::to_string(row) + ", but the step has " +
+                                      std::to_string(num_positions) + " positions"};
+  }
+  const std::int64_t first = positions[row];
+  for (std::int64_t t = 1; t < count; ++t) {
+    const std::size_t at = row + static_cast<std::size_t>(t);
+    if (positions[at] != first + t) {
+      throw error{errc::invalid_plan, "request " + key_of(id).to_string() +
+                                        ": positions of one step must be consecutive, got " +
+                                        std::to_string(positions[at - 1]) + " then " + std::to_string(positions[at]) +
+                                        " at row " + std::to_string(at)};
+    }
+  }
+  return first;
+}
+
 /// Schedules request i for counts[i] rows at the positions the engine gives, in batch order: each
 /// request's positions must be consecutive within the step (chunked prefill, decode, drafts).
 void plan_from_positions(plan_holder& p, nb::handle ids, nb::handle counts, nb::handle positions)
@@ -156,21 +181,7 @@ void plan_from_positions(plan_holder& p, nb::handle ids, nb::handle counts, nb::
   for (nb::handle id : ids) {
     const std::int64_t count = n[i++];
     if (count == 0) { continue; }
-    if (count < 0 || row + static_cast<std::size_t>(count) > pos.size()) {
-      throw error{errc::invalid_plan, "request " + key_of(id).to_string() + ": " + std::to_string(count) +
-                                        " tokens at row " + std::to_string(row) + ", but the step has " +
-                                        std::to_string(pos.size()) + " positions"};
-    }
-    const std::int64_t first = pos[row];
-    for (std::int64_t t = 1; t < count; ++t) {
-      if (pos[row + static_cast<std::size_t>(t)] != first + t) {
-        throw error{errc::invalid_plan,
-                    "request " + key_of(id).to_string() + ": positions of one step must be consecutive, got " +
-                      std::to_string(pos[row + static_cast<std::size_t>(t) - 1]) + " then " +
-                      std::to_string(pos[row + static_cast<std::size_t>(t)]) + " at row " +
-                      std::to_string(row + static_cast<std::size_t>(t))};
-      }
-    }
+    const std::int64_t first = run_first_position(id, pos.data(), pos.size(), row, count);
     plan_schedule(p, id, first, static_cast<std::int32_t>(count), 0, nb::none());
     row += static_cast<std::size_t>(count);
   }
@@ -284,22 +295,7 @@ void commit_scheduled(replay_handle& h, nb::handle scheduled, nb::handle positio
       const long long count = PyLong_AsLongLong(value);
       if (count == -1 && PyErr_Occurred() != nullptr) { throw nb::python_error(); }
       if (count == 0) { continue; }
-      if (count < 0 || count > std::numeric_limits<std::int32_t>::max() ||
-          row + static_cast<std::size_t>(count) > num_positions) {
-        throw error{errc::invalid_plan, "request " + key_of(id).to_string() + ": " + std::to_string(count) +
-                                          " tokens at row " + std::to_string(row) + ", but the step has " +
-                                          std::to_string(num_positions) + " positions"};
-      }
-      const std::int64_t first = pos[row];
-      for (long long t = 1; t < count; ++t) {
-        if (pos[row + static_cast<std::size_t>(t)] != first + t) {
-          throw error{errc::invalid_plan,
-                      "request " + key_of(id).to_string() + ": positions of one step must be consecutive, got " +
-                        std::to_string(pos[row + static_cast<std::size_t>(t) - 1]) + " then " +
-                        std::to_string(pos[row + static_cast<std::size_t>(t)]) + " at row " +
-                        std::to_string(row + static_cast<std::size_t>(t))};
-        }
-      }
+      const std::int64_t first = run_first_position(id, pos, num_positions, row, count);
       p.plan.schedule(scheduled_request{cached_handle(h, id), first, static_cast<std::int32_t>(count), 0, {}});
       row += static_cast<std::size_t>(count);
     }
