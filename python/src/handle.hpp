@@ -54,12 +54,14 @@ class snapshot_pool : public std::enable_shared_from_this<snapshot_pool> {
   /// @brief A snapshot buffer of at least `elems` ids; it returns to the pool when destroyed.
   class buffer {
    public:
+    /// @brief Holds `ids`, taken from `pool`.
     buffer(std::shared_ptr<snapshot_pool> pool, std::vector<std::int64_t> ids) noexcept
       : pool_(std::move(pool)), ids_(std::move(ids))
     {
     }
     buffer(const buffer&)            = delete;
     buffer& operator=(const buffer&) = delete;
+    /// @brief Gives the ids back to the pool.
     ~buffer() { pool_->give(std::move(ids_)); }
     /// @brief The ids.
     [[nodiscard]] std::int64_t* data() noexcept { return ids_.data(); }
