@@ -347,7 +347,7 @@ TEST_CASE("row_filer: first write wins, rows of a released request in flight are
   p.filer.retired(first);
   p.filer.file(first, clean, staging.data(), p.requests);
   CHECK(p.reader.readable_rows(h, p.requests, nullptr) == 1);  // the draft is tentative
-  p.filer.accept_draft("r", h, 1, p.requests);
+  p.filer.accept_draft("r", h, 1, p.requests, p.planner.latest_serial());
   CHECK(p.reader.readable_rows(h, p.requests, nullptr) == 2);
 
   plan.clear();

@@ -30,6 +30,10 @@ struct draft_group {
   std::int32_t accepted        = -1;     ///< -1 until accept_draft()
   bool filed                   = false;  ///< rows already scattered into storage
   std::uint32_t owned          = 0;      ///< bit d: draft d's row was written by this group
+  /// Rows claimed when filed: the latest step that had ended when the group was accepted. Those
+  /// steps, filed later, still take its rows over, as they would have had they been filed when they
+  /// ended; so an accepted group stays until a step that ended after its acceptance is filed.
+  std::uint64_t accepted_through = 0;
   std::array<std::int64_t, max_draft_tokens> slots{};  ///< slot of each draft (block-slot storage)
 
   /// @brief Whether this group wrote the row of `position` (and still owns it).

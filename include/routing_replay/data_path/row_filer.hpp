@@ -145,6 +145,14 @@ class row_filer {
   void claim_run(const step_run& run, request_state& r, const step_record<Index>& step, Place&& place,
                  std::vector<taken_draft>* taken_drafts = nullptr)
   {
+    if constexpr (!claims_when_planned) {
+      // accepted groups kept for steps that ended before their acceptance: none is left to file
+      if (!r.drafts.empty()) {
+        std::erase_if(r.drafts, [&](const draft_group& g) {
+          return g.filed && g.accepted >= 0 && g.accepted_through < step.serial;
+        });
+      }
+    }
     if constexpr (!Store::slot_indexed) {
       // New positions of a request with no draft pending (every decode step and prefill chunk):
       // one claim and one placement for the run, not one per row. Anything else (a recomputed
@@ -174,18 +182,22 @@ class row_filer {
       const bool draft            = d >= 0 && group != nullptr;
       if (draft && group->accepted >= 0 && d >= group->accepted) { continue; }  // already rejected
       const bool tentative = draft && group->accepted < 0;
-      const bool taken     = take_over_draft(r, run.handle, position, taken_drafts);  // always: ownership must move
-      const auto c         = store_.claim(run.handle, position, slot, planned, step.serial, taken || overwrite_);
+      // a draft row stays open to a take-over by every step that ended before its group's acceptance
+      const bool takeable = draft && (group->accepted < 0 || group->accepted_through > step.serial);
+      const bool taken    = take_over_draft(r, run.handle, position, step.serial, taken_drafts);  // always: ownership must move
+      const auto c        = store_.claim(run.handle, position, slot, planned, step.serial, taken || overwrite_);
       if (c.dst != nullptr) {
         place(c, run.first_row + i, std::int64_t{1});
         // a tentative row owns its slot only if it is its own (not an earlier row that followed)
-        if (tentative && c.copy_from == nullptr) { group->owned |= 1u << d; }
+        if (takeable && c.copy_from == nullptr) { group->owned |= 1u << d; }
       }
       if (!tentative) { r.recorded_rows = std::max(r.recorded_rows, position + 1); }
     }
     if (group != nullptr) {
       group->filed = true;
-      if (group->accepted >= 0) {  // accepted before its rows arrived: nothing left to resolve
+      // accepted before its rows arrived: nothing left to resolve, unless steps that ended before
+      // the acceptance are still to be filed (rows claimed when filed)
+      if (group->accepted >= 0 && group->accepted_through <= step.serial) {
         r.drafts.erase(r.drafts.begin() + (group - r.drafts.data()));
       }
     }
@@ -311,7 +323,8 @@ class row_filer {
   /// @brief Resolves the oldest pending draft group of request `h` (`id`): the first
   /// `num_accepted` drafts are committed, the rest are erased (their positions will be recomputed).
   /// @throws error draft_error
-  void accept_draft(request_key id, std::uint32_t h, std::int32_t num_accepted, request_registry& requests)
+  void accept_draft(request_key id, std::uint32_t h, std::int32_t num_accepted, request_registry& requests,
+                    std::uint64_t ended_through)
   {
     auto& r    = requests[h];
     auto group = std::find_if(r.drafts.begin(), r.drafts.end(), [](const draft_group& g) { return g.accepted < 0; });
@@ -323,15 +336,20 @@ class row_filer {
                                        " of " + std::to_string(group->count) + " draft tokens"};
     }
     group->accepted = num_accepted;
+    // Rows claimed when filed: steps that have ended by now file as if when they ended, before this
+    // acceptance, so they may still take the group's rows over (claim_run, take_over_draft).
+    if constexpr (!claims_when_planned) { group->accepted_through = ended_through; }
     if (!group->filed) { return; }  // resolved when its rows are filed (claim_run)
     for (std::int32_t d = 0; d < group->count; ++d) {
       if (d >= group->accepted && ((group->owned >> d) & 1u) != 0) {
         store_.erase(h, group->first_position + d, group->slots[static_cast<std::size_t>(d)]);
+        group->owned &= ~(1u << d);
       }
     }
     if (group->accepted > 0) {
       r.recorded_rows = std::max(r.recorded_rows, group->first_position + group->accepted);
     }
+    if (group->accepted_through > group->step_serial) { return; }  // kept for the steps after its own
     r.drafts.erase(group);
   }
 
@@ -398,14 +416,15 @@ class row_filer {
     ops.push_back(op);
   }
 
-  // A tentative draft row yields to any later write of its position (recorded in `taken`, whose
-  // room was reserved, when given).
-  static bool take_over_draft(request_state& r, std::uint32_t h, std::int64_t position,
+  // A tentative draft row yields to any later write of its position, by step `serial` (recorded in
+  // `taken`, whose room was reserved, when given); so does an accepted one to a step that ended
+  // before the acceptance (rows claimed when filed).
+  static bool take_over_draft(request_state& r, std::uint32_t h, std::int64_t position, std::uint64_t serial,
                               std::vector<taken_draft>* taken_drafts) noexcept
   {
     bool taken = false;
     for (auto& g : r.drafts) {
-      if (g.filed && g.accepted < 0 && g.owns(position)) {
+      if (g.filed && (g.accepted < 0 || serial <= g.accepted_through) && g.owns(position)) {
         g.owned &= ~(1u << (position - g.first_position));
         taken = true;
         if (taken_drafts != nullptr) { taken_drafts->push_back({h, g.step_serial, position}); }
