@@ -110,17 +110,45 @@ request_key key_of(nb::handle id)
   throw nb::type_error("request ids are int or str");
 }
 
-/// A sequence of int64 (a 1-D array, a list, a tuple), copied.
+dtype_code dtype_from_dlpack(nb::dlpack::dtype t);
+void check_plan_views(const replay_handle& h, const step_plan& plan);
+
+/// Reads a 1-D integer column (a numpy array of any integer dtype, or a sequence) into `out` as
+/// int64, keeping out's capacity: one pass, no Python object per element for arrays.
+void read_column(nb::handle column, std::vector<std::int64_t>& out, const char* what)
+{
+  nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu> array;
+  if (!nb::try_cast(column, array)) {
+    try {
+      out = nb::cast<std::vector<std::int64_t>>(column);
+    } catch (const nb::cast_error&) {
+      throw nb::type_error((std::string{what} + ": expected a 1-D integer array or sequence").c_str());
+    }
+    return;
+  }
+  const auto& t = array.dtype();
+  if ((t.code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int) &&
+       t.code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)) ||
+      t.lanes != 1) {
+    throw nb::type_error((std::string{what} + ": expected a 1-D integer array or sequence").c_str());
+  }
+  const dtype_code d = dtype_from_dlpack(t);
+  out.resize(array.shape(0));
+  // uint64 handles keep their bits through the int64 cast, and are cast back by from_bits()
+  visit_dtype(d, [&](auto tag) {
+    using T         = decltype(tag);
+    const auto* in  = static_cast<const T*>(array.data());
+    const auto step = array.stride(0);
+    for (std::size_t i = 0; i < out.size(); ++i) { out[i] = static_cast<std::int64_t>(in[static_cast<std::int64_t>(i) * step]); }
+  });
+}
+
+/// A 1-D integer array or a sequence (list, tuple) as int64, copied; None is empty.
 std::vector<std::int64_t> int64_list(nb::handle seq)
 {
-  if (seq.is_none()) { return {}; }
-  nb::ndarray<const std::int64_t, nb::ndim<1>, nb::device::cpu> array;
-  if (nb::try_cast(seq, array)) {
-    std::vector<std::int64_t> out(array.shape(0));
-    for (std::size_t i = 0; i < out.size(); ++i) { out[i] = array.data()[i * array.stride(0)]; }
-    return out;
-  }
-  return nb::cast<std::vector<std::int64_t>>(seq);
+  std::vector<std::int64_t> out;
+  if (!seq.is_none()) { read_column(seq, out, "integers"); }
+  return out;
 }
 
 // ---- plans --------------------------------------------------------------------------------------
@@ -185,33 +213,6 @@ void plan_from_positions(plan_holder& p, nb::handle ids, nb::handle counts, nb::
     plan_schedule(p, id, first, static_cast<std::int32_t>(count), 0, nb::none());
     row += static_cast<std::size_t>(count);
   }
-}
-
-dtype_code dtype_from_dlpack(nb::dlpack::dtype t);
-void check_plan_views(const replay_handle& h, const step_plan& plan);
-
-/// Reads a 1-D integer column (a numpy array of any integer dtype, or a sequence) into `out` as
-/// int64, keeping out's capacity: one pass, no Python object per element for arrays.
-void read_column(nb::handle column, std::vector<std::int64_t>& out, const char* what)
-{
-  nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu> array;
-  if (!nb::try_cast(column, array)) {
-    try {
-      out = nb::cast<std::vector<std::int64_t>>(column);
-    } catch (const nb::cast_error&) {
-      throw nb::type_error((std::string{what} + ": expected a 1-D integer array or sequence").c_str());
-    }
-    return;
-  }
-  const dtype_code d = dtype_from_dlpack(array.dtype());
-  out.resize(array.shape(0));
-  // uint64 handles keep their bits through the int64 cast, and are cast back by from_bits()
-  visit_dtype(d, [&](auto tag) {
-    using T         = decltype(tag);
-    const auto* in  = static_cast<const T*>(array.data());
-    const auto step = array.stride(0);
-    for (std::size_t i = 0; i < out.size(); ++i) { out[i] = static_cast<std::int64_t>(in[static_cast<std::int64_t>(i) * step]); }
-  });
 }
 
 /// Appends requests by handle, columnar: handles[i] (as add_request returned them) with

@@ -395,7 +395,7 @@ TEST_CASE("row_arena: buddy blocks split, merge and come back at the same arena 
 
 TEST_CASE("row_arena: superblocks made ahead by the worker are taken first, at their own addresses")
 {
-  rr::detail::row_arena<rr::detail::host_written_rows> arena{4096, 1, /*ahead=*/2};  // superblocks of 8 KiB
+  rr::detail::row_arena<rr::detail::host_written_rows> arena{4096, 1, /*ahead=*/8192};  // superblocks of 8 KiB: 2 ready
   std::vector<rr::detail::row_arena<rr::detail::host_written_rows>::block> blocks;
   for (int i = 0; i < 6; ++i) {  // three superblocks' worth: some made ahead, some made here
     blocks.push_back(arena.allocate(1));

@@ -135,9 +135,7 @@ class host_side {
   void accept_draft(request_key id, std::int32_t num_accepted)
   {
     [[maybe_unused]] const auto inside = threads_.enter("accept_draft");
-    // the steps that have ended by now (an open step ends after this call)
-    const std::uint64_t ended = planner_.latest_serial() - (planner_.is_open() ? 1 : 0);
-    filer_.accept_draft(id, requests_.find(id), num_accepted, requests_, ended);
+    filer_.accept_draft(id, requests_.find(id), num_accepted, requests_, planner_.ended_serial());
   }
 
   /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any

@@ -101,10 +101,7 @@ class request_registry {
   [[nodiscard]] std::uint32_t find(request_key key) const
   {
     if (key.is_handle()) {
-      const request_handle h = key.handle();
-      if (h.index < states_.size() && states_[h.index].id != nullptr && states_[h.index].generation == h.generation) {
-        return h.index;
-      }
+      if (live(key.handle())) { return key.handle().index; }
       throw error{errc::unknown_request, "request " + key.to_string() +
                                            " is unknown (its request was released or aborted, or it was never "
                                            "returned by add_request)"};
@@ -120,11 +117,7 @@ class request_registry {
   /// @brief Whether an id (or handle) is live.
   [[nodiscard]] bool contains(request_key key) const
   {
-    if (key.is_handle()) {
-      const request_handle h = key.handle();
-      return h.index < states_.size() && states_[h.index].id != nullptr && states_[h.index].generation == h.generation;
-    }
-    return ids_.find(key) != ids_.end();
+    return key.is_handle() ? live(key.handle()) : ids_.find(key) != ids_.end();
   }
 
   /// @brief The request_handle of a live handle index.
@@ -152,6 +145,12 @@ class request_registry {
   [[nodiscard]] std::size_t size() const noexcept { return ids_.size(); }
 
  private:
+  // Whether `h` names a live request in the use of its index it was given for.
+  [[nodiscard]] bool live(request_handle h) const noexcept
+  {
+    return h.index < states_.size() && states_[h.index].id != nullptr && states_[h.index].generation == h.generation;
+  }
+
   std::unordered_map<request_id, std::uint32_t, request_hash, request_equal> ids_;
   std::vector<request_state> states_;
   std::vector<std::uint32_t> free_;

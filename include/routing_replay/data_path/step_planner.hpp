@@ -40,6 +40,8 @@ class step_planner {
   [[nodiscard]] bool is_open() const noexcept { return open_; }
   /// @brief Serial of the latest step opened (0 before the first).
   [[nodiscard]] std::uint64_t latest_serial() const noexcept { return serial_; }
+  /// @brief Serial of the latest step that has ended (the open step ends at close()).
+  [[nodiscard]] std::uint64_t ended_serial() const noexcept { return open_ ? serial_ - 1 : serial_; }
   /// @brief The open step's record, or nullptr when no step is open.
   [[nodiscard]] const step_record<Index>* open_step() const noexcept { return open_ ? &record_ : nullptr; }
   /// @brief Whether the open step schedules request state `r`.

@@ -68,8 +68,7 @@ class per_request_store {
       max_rows_(config.max_model_len),
       limit_(config.host_memory_limit),
       base_(segment_base(row_bytes_)),
-      arena_(base_, order_for(base_, static_cast<std::size_t>(max_rows_) * row_bytes_),
-             superblocks_ahead(config, row_bytes_, base_ << order_for(base_, static_cast<std::size_t>(max_rows_) * row_bytes_)))
+      arena_(base_, order_for(base_, static_cast<std::size_t>(max_rows_) * row_bytes_), bytes_ahead(config, row_bytes_))
   {
     // parking and adopting never allocate: close() and undo_reserve() must not fail
     parked_.reserve(max_parked);
@@ -415,15 +414,12 @@ class per_request_store {
     std::uint64_t last_claim;  // released once every step up to it has been filed
   };
 
-  // Superblocks of `superblock` bytes the arena keeps ready (config.host_memory_ahead): enough for
-  // the bytes asked for (by default a full step of new rows), plus one, since a step's segments
-  // rarely fill superblocks exactly.
-  static std::size_t superblocks_ahead(const replay_config& config, std::size_t row_bytes, std::size_t superblock)
+  // Bytes of row memory the arena keeps ready (config.host_memory_ahead; by default a full step of
+  // new rows).
+  static std::size_t bytes_ahead(const replay_config& config, std::size_t row_bytes)
   {
-    const std::size_t ahead = config.host_memory_ahead >= 0
-                                ? static_cast<std::size_t>(config.host_memory_ahead)
-                                : static_cast<std::size_t>(config.max_tokens_per_step) * row_bytes;
-    return ahead == 0 ? 0 : (ahead + superblock - 1) / superblock + 1;
+    return config.host_memory_ahead >= 0 ? static_cast<std::size_t>(config.host_memory_ahead)
+                                         : static_cast<std::size_t>(config.max_tokens_per_step) * row_bytes;
   }
 
   // The smallest segment: a page multiple of at least 16 rows.

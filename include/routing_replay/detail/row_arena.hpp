@@ -45,8 +45,9 @@ namespace routing_replay::detail {
 /// half-way): the arena keeps a spare free-list node for every block handed out, made when the block
 /// is allocated.
 ///
-/// With `ahead` superblocks asked for, a worker thread keeps that many mapped, faulted in and
-/// registered before they are needed, and a step that runs out of free blocks takes one of them
+/// With `ahead` bytes asked for, a worker thread keeps that many (rounded up to superblocks, plus one,
+/// since a step's blocks rarely fill superblocks exactly) mapped, faulted in and registered before
+/// they are needed, and a step that runs out of free blocks takes one of them
 /// instead of mapping fresh pages on the engine's thread (first touch of shared memory, and
 /// registration, cost about as much as filing the rows). The worker touches nothing but those
 /// superblocks; the free lists and the superblock table stay the engine thread's alone.
@@ -60,7 +61,7 @@ class row_arena {
   };
 
   /// @brief An arena of blocks of `base` (a multiple of the page size) to `base << max_order` bytes,
-  /// with `ahead` superblocks kept ready by a worker thread (0: none, no thread).
+  /// with `ahead` bytes of superblocks kept ready by a worker thread (0: none, no thread).
   row_arena(std::size_t base, int max_order, std::size_t ahead = 0)
     : base_(base),
       max_order_(max_order),
@@ -70,8 +71,8 @@ class row_arena {
     fd_ = ::memfd_create("routing_replay_rows", MFD_CLOEXEC);
     if (fd_ < 0) { throw_system_error("memfd_create"); }
     if (ahead > 0) {
-      provision_->wanted = ahead;
-      provision_->ready.reserve(ahead);
+      provision_->wanted = (ahead + superblock_bytes() - 1) / superblock_bytes() + 1;
+      provision_->ready.reserve(provision_->wanted);
       worker_ = std::thread{[p = provision_.get(), fd = fd_, bytes = superblock_bytes()] { provide(*p, fd, bytes); }};
     }
   }
