@@ -7,7 +7,8 @@
 # 39917's capturer. JSON lines go to $OUT (the device tool's folder) or build/python-bench/.
 # Usage: scripts/python_gpu_bench.sh [engine_loop.py arguments]
 # Environment: PY_BENCH_PARTS (default bench,baseline,peer), PY_BENCH_PEER_ARGS (extra arguments
-# of the peer script, e.g. "--copy device_scatter").
+# of the peer script, e.g. "--copy device_scatter"), PY_BENCH_SKIP_BUILD=1 (reuse the packages an
+# earlier call built on a machine still warm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -24,16 +25,21 @@ build() {  # build TREE SITE LOG
   python3 -m pip install -q --no-build-isolation --no-deps --target "$2" "$1/python" >"$3" 2>&1 ||
     { cat "$3"; return 1; }
 }
-build . "$site" "$out/build.log" &
-new_pid=$!
 base_pid=
-if has baseline && [ -d .baseline ]; then
-  build .baseline "$base_site" "$out/build_baseline.log" &
-  base_pid=$!
+if [ "${PY_BENCH_SKIP_BUILD:-0}" = 1 ]; then
+  [ -d "$base_site" ] && has baseline && base_pid=reused
+  echo "== reusing $site${base_pid:+ and $base_site}"
+else
+  build . "$site" "$out/build.log" &
+  new_pid=$!
+  if has baseline && [ -d .baseline ]; then
+    build .baseline "$base_site" "$out/build_baseline.log" &
+    base_pid=$!
+  fi
+  wait "$new_pid"
+  [ -z "$base_pid" ] || wait "$base_pid"
+  echo "== built in $(( $(date +%s) - start )) s"
 fi
-wait "$new_pid"
-[ -z "$base_pid" ] || wait "$base_pid"
-echo "== built in $(( $(date +%s) - start )) s"
 
 summary() { python3 benchmarks/python/summarize.py "$@"; }
 if has bench; then

@@ -33,6 +33,10 @@ struct probe_block_kernel {
 /// wrote, letting the device overlap the two launches. Kernels may not assume that blocks run
 /// concurrently or in any order.
 ///
+/// Host memory a kernel writes is pinned through `register_host`, also from a helper thread of the
+/// library's own: `host_thread_context()` (on the engine's thread) names what such a thread must
+/// adopt first (`adopt_host_thread_context`), so that its calls address the engine's device.
+///
 /// Two backends ship: cuda_backend (routing_replay/cuda_backend.cuh, needs nvcc) and host_backend
 /// (routing_replay/host_backend.hpp, plain C++20).
 template <class B>
@@ -52,6 +56,7 @@ concept backend = requires(typename B::stream_ref stream,
   B::launch_dependent_async(std::int32_t{1}, std::int32_t{32}, detail::probe_block_kernel{}, stream);
   B::register_host(dst, bytes);
   B::unregister_host(dst);
+  B::adopt_host_thread_context(B::host_thread_context());
   B::copy_async(dst, src, bytes, stream);
   B::copy_2d_async(dst, bytes, src, bytes, bytes, bytes, stream);
   B::fill_2d_async(dst, bytes, static_cast<unsigned char>(0), bytes, bytes, stream);

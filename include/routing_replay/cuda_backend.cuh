@@ -264,6 +264,29 @@ struct cuda_backend {
   /// @brief Unpins memory registered by register_host() (errors ignored: called on teardown).
   static void unregister_host(void* p) noexcept { (void)cudaHostUnregister(p); }
 
+  /// @brief What a helper thread adopts: the device current on the thread that made it.
+  struct host_thread_state {
+    int device = 0;  ///< the engine's device
+  };
+  /// @brief The calling thread's current device.
+  [[nodiscard]] static host_thread_state host_thread_context()
+  {
+    host_thread_state s;
+    detail::check_cuda(cudaGetDevice(&s.device), "cudaGetDevice");
+    return s;
+  }
+  /// @brief Makes the calling (helper) thread use `state`'s device, not device 0 (whose primary
+  /// context it would otherwise create: hundreds of MB on a GPU the engine never uses), and puts
+  /// it in relaxed stream-capture mode: an engine recording a CUDA graph in global mode (PyTorch's
+  /// default) has every other thread's cudaHostRegister refused and its own capture invalidated,
+  /// unless that thread opted out; pinning memory enqueues nothing a graph could miss.
+  static void adopt_host_thread_context(host_thread_state state)
+  {
+    detail::check_cuda(cudaSetDevice(state.device), "cudaSetDevice");
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    detail::check_cuda(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+  }
+
   /// @brief Records `e` on `stream`.
   static void record(event& e, stream_ref stream)
   {

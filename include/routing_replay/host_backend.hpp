@@ -177,6 +177,12 @@ struct host_backend {
   static void register_host(void*, std::size_t) noexcept {}
   /// @brief Nothing to do.
   static void unregister_host(void*) noexcept {}
+  /// @brief Nothing a helper thread must adopt.
+  struct host_thread_state {};
+  /// @brief The calling thread's state: nothing.
+  [[nodiscard]] static host_thread_state host_thread_context() noexcept { return {}; }
+  /// @brief Nothing to adopt.
+  static void adopt_host_thread_context(host_thread_state) noexcept {}
 
   /// @brief Marks the work enqueued on `stream` so far.
   static void record(event& e, stream_ref stream)

@@ -14,7 +14,9 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdio>
+#include <thread>
 #include <vector>
 
 namespace rr = routing_replay;
@@ -119,6 +121,53 @@ TEST_CASE_TEMPLATE_APPLY(
                                rr::async_event, rr::block_slot_storage>,
              rr::RoutingReplay<rr_test::faulty_backend<rr::cuda_backend>, std::int16_t, rr::layer_major,
                                rr::device_scatter<2>, rr::block_slot_storage>>);
+
+// PyTorch records CUDA graphs in global capture mode: while any thread records one, a
+// cudaHostRegister from any other thread is refused and invalidates the recording, unless that
+// thread chose relaxed mode. The row arena's worker pins device-scatter rows ahead of need while an
+// engine may be recording its graphs (vLLM records them at start-up, right after building the
+// capturer); its registrations must neither break a recording nor stop.
+TEST_CASE("CUDA graph: a global-mode capture is not invalidated by the row worker pinning memory ahead")
+{
+  using replay_type =
+    rr::RoutingReplay<rr::cuda_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>, rr::per_request_storage>;
+  rr::replay_config config;
+  config.num_experts         = 128;
+  config.top_k               = 8;
+  config.max_tokens_per_step = 64;
+  config.max_model_len       = 4096;
+  config.moe_layers          = {0, 1};
+  config.host_memory_ahead   = std::int64_t{512} << 20;  // the worker pins for a few hundred ms
+  replay_type replay{config};
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::int64_t* ids = nullptr;
+  check(cudaMalloc(&ids, 64 * 8 * sizeof(std::int64_t)));
+  check(cudaMemsetAsync(ids, 0, 64 * 8 * sizeof(std::int64_t), stream));
+  check(cudaStreamSynchronize(stream));
+  for (int recording = 0; recording < 30; ++recording) {  // spans the worker's pinning
+    cudaGraph_t graph = nullptr;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    replay.capture(0, ids, 64, cuda::stream_ref{stream});
+    std::this_thread::sleep_for(std::chrono::milliseconds{10});
+    check(cudaStreamEndCapture(stream, &graph));  // cudaErrorStreamCaptureInvalidated before the fix
+    check(cudaGraphDestroy(graph));
+  }
+  // the worker is still pinning (or done), and a step's rows still land
+  replay.reset_device_buffer(cuda::stream_ref{stream});
+  rr::step_plan plan;
+  const auto request = replay.add_request(7);
+  plan.schedule({.id = request, .first_position = 0, .num_tokens = 64});
+  replay.begin_step(plan, cuda::stream_ref{stream});
+  replay.capture(0, ids, 64, cuda::stream_ref{stream});
+  replay.capture(1, ids, 64, cuda::stream_ref{stream});
+  replay.end_step(cuda::stream_ref{stream});
+  replay.drain();
+  const auto rows = replay.extract(request);
+  CHECK(rows.num_rows() == 64);
+  check(cudaFree(ids));
+  check(cudaStreamDestroy(stream));
+}
 
 int main(int argc, char** argv)
 {

@@ -171,6 +171,11 @@ struct faulty_backend {
     if (fault_injector::get().ignored_point("unregister_host")) { return; }  // the error is ignored
     Base::unregister_host(p);
   }
+  using host_thread_state = typename Base::host_thread_state;
+  static host_thread_state host_thread_context() { return Base::host_thread_context(); }
+  // on the arena's worker thread: its failure only stops the pinning ahead (the engine's thread then
+  // pins what it needs itself), which the sweep covers through register_host
+  static void adopt_host_thread_context(host_thread_state s) { Base::adopt_host_thread_context(s); }
   static void record(event& e, stream_ref s)
   {
     enqueue("record", [&] { Base::record(e, s); });

@@ -73,7 +73,8 @@ class row_arena {
     if (ahead > 0) {
       provision_->wanted = (ahead + superblock_bytes() - 1) / superblock_bytes() + 1;
       provision_->ready.reserve(provision_->wanted);
-      worker_ = std::thread{[p = provision_.get(), fd = fd_, bytes = superblock_bytes()] { provide(*p, fd, bytes); }};
+      worker_ = std::thread{[p = provision_.get(), fd = fd_, bytes = superblock_bytes(),
+                             context = RowMemory::thread_context()] { provide(*p, fd, bytes, context); }};
     }
   }
   row_arena(row_arena&& other) noexcept
@@ -236,8 +237,15 @@ class row_arena {
 
   // The worker: keeps `wanted` superblocks ready until stopped. A failure (no memory, a refused
   // registration) ends it quietly: the engine's thread then maps superblocks itself, and reports.
-  static void provide(provisioning& p, int fd, std::size_t bytes) noexcept
+  static void provide(provisioning& p, int fd, std::size_t bytes, typename RowMemory::thread_state context) noexcept
   {
+    try {
+      RowMemory::adopt_thread_context(context);
+    } catch (...) {  // nothing is made ahead: the engine's thread makes every superblock itself
+      const std::lock_guard lock{p.mutex};
+      p.wanted = 0;
+      return;
+    }
     std::unique_lock lock{p.mutex};
     while (true) {
       p.wake.wait(lock, [&] { return p.stop || p.ready.size() < p.wanted; });
