@@ -158,11 +158,7 @@ class row_filer {
       // one claim and one placement for the run, not one per row. Anything else (a recomputed
       // position, drafts) takes the row-by-row path below.
       if (run.num_draft == 0 && run.num_tokens > 0 && r.drafts.empty()) {
-        // claims when planned: claim_planned() writes the step's claims at its end, in one pass
-        Index* dst = claims_when_planned
-                       ? store_.claim_fresh_deferred(run.handle, run.first_position, run.num_tokens, step.serial)
-                       : store_.claim_fresh(run.handle, run.first_position, run.num_tokens, step.serial);
-        if (dst != nullptr) {
+        if (Index* dst = store_.claim_fresh(run.handle, run.first_position, run.num_tokens, step.serial)) {
           place(detail::row_claim<Index>{dst, nullptr, detail::row_claim<Index>::no_claim}, run.first_row,
                 std::int64_t{run.num_tokens});
           r.recorded_rows = std::max(r.recorded_rows, run.first_position + run.num_tokens);
@@ -234,15 +230,13 @@ class row_filer {
         &step.taken);
       run.recorded_after = r.recorded_rows;
     }
-    if constexpr (!Store::slot_indexed) { store_.write_claims(); }
   }
 
   /// @brief Room in `step`'s pieces for a step of `num_rows` rows (claim_planned() then never
   /// allocates): a row starts at most one piece and is cut at most once more.
-  void reserve_pieces(step_record<Index>& step, std::int64_t num_rows)
+  void reserve_pieces(step_record<Index>& step, std::int64_t num_rows) const
   {
     step.ops.reserve(static_cast<std::size_t>(2 * num_rows + num_rows * row_elems_ / detail::max_piece_elems + 1));
-    if constexpr (!Store::slot_indexed) { store_.reserve_deferred_claims(static_cast<std::size_t>(num_rows)); }
   }
 
   // --- filing ------------------------------------------------------------------------------------

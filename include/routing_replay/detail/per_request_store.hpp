@@ -49,17 +49,38 @@ template <class Index, class RowMemory = host_written_rows>
 class per_request_store {
   using arena_type = row_arena<RowMemory>;
 
-  // A request's storage. The step's hot path (claim_fresh(), device_pieces() of new positions)
-  // reads only this entry of the dense rows_ array: which positions may hold a claim
-  // (claimed_end) and where kernels reach the last segment (tail_*), so it touches neither the
-  // claims array nor the segment list, each a heap allocation of its own (on the H200 host and
-  // the CI machine those cost a cache and TLB miss per request per step, 60 to 150 ns at B1024).
+  // Claims of new positions not yet written to claimed_by: [first, first + count) claimed by step
+  // `serial`, or, `per_step`, position first + i by step serial + i (a request decoding one token
+  // in each of successive steps extends it, and never writes claimed_by).
+  struct claim_run {
+    std::int64_t first   = 0;
+    std::int64_t count   = 0;  // 0: none
+    std::uint64_t serial = 0;
+    bool per_step        = false;
+
+    [[nodiscard]] bool holds(std::int64_t position) const noexcept
+    {
+      return position >= first && position < first + count;
+    }
+    [[nodiscard]] std::uint64_t serial_at(std::int64_t position) const noexcept
+    {
+      return per_step ? serial + static_cast<std::uint64_t>(position - first) : serial;
+    }
+  };
+
+  // A request's storage. The step's hot path (claim_fresh() and device_pieces() of new positions)
+  // reads and writes only this entry of the dense rows_ array: which positions may hold a claim
+  // (claimed_end), the newest claims (recent), where kernels reach the last segment (tail_*). It
+  // touches neither the claims array nor the segment list, each a heap allocation in pages of its
+  // own: with an engine's Python and torch work between steps, one such access per request cost a
+  // TLB and cache miss (the H200 host: 0.3 to 0.4 us per request per step at B1024).
   struct request_rows {
     std::byte* view = nullptr;                       // the reserved range
     std::size_t capacity = 0;                        // bytes mapped at its start
     std::size_t tail_start = 0;                      // bytes of the range before the last segment
     std::byte* tail_address = nullptr;               // the last segment's first byte, as kernels reach it
     std::int64_t claimed_end = 0;                    // no position at or past it holds a claim
+    claim_run recent;                                // claims not yet in claimed_by
     std::vector<typename arena_type::block> segments;  // mapped one after the other
     std::vector<std::uint64_t> claimed_by;           // per position: the claiming step, 0 if none
     std::uint64_t last_claim = 0;                    // the latest step that claimed a row here
@@ -134,6 +155,7 @@ class per_request_store {
     r.claimed_by.clear();
     r.capacity    = 0;
     r.claimed_end = 0;
+    r.recent      = {};
     r.last_claim  = 0;
     set_tail(r);
   }
@@ -214,6 +236,7 @@ class per_request_store {
       r.claimed_by.clear();
       r.capacity    = 0;
       r.claimed_end = 0;
+      r.recent      = {};
       r.adopted     = false;
       set_tail(r);
       return;
@@ -238,7 +261,8 @@ class per_request_store {
                                        std::uint64_t step,
                                        bool replace)
   {
-    auto& r      = rows_[h];
+    auto& r = rows_[h];
+    settle(r);
     auto& by     = r.claimed_by[static_cast<std::size_t>(position)];
     r.last_claim = std::max(r.last_claim, step);  // even if the row stays: a step that tried holds the segments
     if (!replace && by != 0) { return {}; }
@@ -253,53 +277,45 @@ class per_request_store {
   /// address of the first row (the range is contiguous); nullptr, and nothing changed, if one does.
   [[nodiscard]] Index* claim_fresh(std::uint32_t h, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
   {
-    Index* dst = claim_fresh_deferred(h, first, count, step);
-    write_claims();
-    return dst;
-  }
-
-  /// @brief claim_fresh(), except that the claims are recorded by the next write_claims(), which
-  /// must come before any other call for `h`. A step's hot path decides every run's place from
-  /// the dense per-request entries alone; write_claims() then stores the claims of all its runs in
-  /// one tight loop, where the processor overlaps their cache and TLB misses (one per request)
-  /// instead of waiting for each in turn. Room: reserve_deferred_claims().
-  [[nodiscard]] Index* claim_fresh_deferred(std::uint32_t h, std::int64_t first, std::int64_t count,
-                                            std::uint64_t step) noexcept
-  {
     auto& r = rows_[h];
-    // past claimed_end nothing is claimed: a new position (every decode step) reads no claim
-    const std::int64_t may_be_claimed = std::clamp<std::int64_t>(r.claimed_end - first, 0, count);
-    const std::uint64_t* by           = r.claimed_by.data() + first;
-    if (std::any_of(by, by + may_be_claimed, [](std::uint64_t c) { return c != 0; })) { return nullptr; }
-    deferred_.push_back({r.claimed_by.data() + first, count, step});  // room reserved
+    if (first < r.claimed_end) {  // a recomputed position, say: look at the claims themselves
+      settle(r);
+      const std::uint64_t* by           = r.claimed_by.data() + first;
+      const std::int64_t may_be_claimed = std::min(r.claimed_end - first, count);
+      if (std::any_of(by, by + may_be_claimed, [](std::uint64_t c) { return c != 0; })) { return nullptr; }
+    }
+    // past claimed_end nothing is claimed: new positions (every decode step, every prefill chunk)
+    // are claimed in the entry alone
+    auto& run = r.recent;
+    if (count == 1 && run.count > 0 && run.per_step && first == run.first + run.count &&
+        step == run.serial + static_cast<std::uint64_t>(run.count)) {
+      ++run.count;  // the next step of a decoding request
+    } else {
+      settle(r);
+      run = claim_run{first, count, step, count == 1};
+    }
     r.claimed_end = std::max(r.claimed_end, first + count);
     r.last_claim  = std::max(r.last_claim, step);
     return row_at(r, first);
   }
-
-  /// @brief Records the claims claim_fresh_deferred() made.
-  void write_claims() noexcept
-  {
-    for (const auto& c : deferred_) { std::fill_n(c.at, c.count, c.step); }
-    deferred_.clear();
-  }
-
-  /// @brief Room for `runs` claim_fresh_deferred() calls before a write_claims().
-  void reserve_deferred_claims(std::size_t runs) { deferred_.reserve(runs); }
 
   /// @brief A discarded step `serial` gives back its claim of (`h`, `position`), which replaced the
   /// claim of step `prior` (row_claim::replaced): the row there is `prior`'s again.
   void restore_claim(std::uint32_t h, std::int64_t position, std::int64_t, std::uint64_t serial,
                      std::uint64_t prior) noexcept
   {
-    auto& by = rows_[h].claimed_by[static_cast<std::size_t>(position)];
+    auto& r = rows_[h];
+    settle(r);
+    auto& by = r.claimed_by[static_cast<std::size_t>(position)];
     if (by == serial) { by = prior; }
   }
 
   /// @brief Undoes the claim of (`h`, `position`) if step `serial` made it (a discarded step).
   void unclaim(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/, std::uint64_t serial) noexcept
   {
-    auto& by = rows_[h].claimed_by;
+    auto& r = rows_[h];
+    settle(r);
+    auto& by = r.claimed_by;
     if (static_cast<std::size_t>(position) < by.size() && by[static_cast<std::size_t>(position)] == serial) {
       by[static_cast<std::size_t>(position)] = 0;
     }
@@ -348,7 +364,9 @@ class per_request_store {
   /// while a kernel may still be writing that row.
   void erase(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/) noexcept
   {
-    auto& by = rows_[h].claimed_by;
+    auto& r = rows_[h];
+    settle(r);
+    auto& by = r.claimed_by;
     if (static_cast<std::size_t>(position) < by.size()) { by[static_cast<std::size_t>(position)] = 0; }
   }
 
@@ -358,6 +376,7 @@ class per_request_store {
   [[nodiscard]] const Index* contiguous(std::uint32_t h, std::int64_t first, std::int64_t count)
   {
     auto& r = rows_[h];
+    settle(r);
     if (count == 0 || static_cast<std::size_t>(first + count) > r.claimed_by.size()) { return nullptr; }
     for (std::int64_t p = first; p < first + count; ++p) {
       const std::uint64_t by = r.claimed_by[static_cast<std::size_t>(p)];
@@ -380,7 +399,8 @@ class per_request_store {
   {
     const auto& r = rows_[h];
     if (static_cast<std::size_t>(position) >= r.claimed_by.size()) { return false; }
-    const std::uint64_t by = r.claimed_by[static_cast<std::size_t>(position)];
+    const std::uint64_t by =
+      r.recent.holds(position) ? r.recent.serial_at(position) : r.claimed_by[static_cast<std::size_t>(position)];
     if (by == 0 || by > filed_through_) { return false; }
     std::memcpy(out, row_at(r, position), row_bytes_);
     return true;
@@ -417,6 +437,7 @@ class per_request_store {
     r.capacity    = best->capacity;
     r.segments    = std::move(best->segments);
     r.claimed_end = 0;
+    r.recent      = {};
     r.adopted     = true;
     set_tail(r);
     parked_bytes_ -= best->capacity;
@@ -436,6 +457,17 @@ class per_request_store {
       ::munmap(p.view, view_bytes());
       release_segments(p.segments, p.last_claim);
     }
+  }
+
+  // Writes the claims `r` holds in its entry alone to claimed_by: before anything else reads or
+  // changes claims there (a recomputed position, drafts, a discard, extraction).
+  static void settle(request_rows& r) noexcept
+  {
+    auto& run = r.recent;
+    if (run.count == 0) { return; }
+    std::uint64_t* by = r.claimed_by.data() + run.first;
+    for (std::int64_t i = 0; i < run.count; ++i) { by[i] = run.serial_at(run.first + i); }
+    run = {};
   }
 
   // Where the last segment of `r` starts in its range and where kernels reach it (device_pieces()'s
@@ -469,12 +501,6 @@ class per_request_store {
       }
     }
   }
-
-  struct deferred_claim {
-    std::uint64_t* at;   // claimed_by of the first position
-    std::int64_t count;  // positions
-    std::uint64_t step;  // the claiming step
-  };
 
   struct pending_segment {
     typename arena_type::block segment;
@@ -536,7 +562,6 @@ class per_request_store {
   std::vector<parked_range> parked_;  // closed ranges kept mapped for the next requests
   std::size_t parked_bytes_ = 0;
   std::vector<std::byte*> bare_;      // reserved ranges with nothing mapped, for open()
-  std::vector<deferred_claim> deferred_;  // claims made, not yet written (claim_fresh_deferred())
 };
 
 }  // namespace routing_replay::detail
