@@ -132,6 +132,38 @@ TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have r
   CHECK(s.rows(1) == before);
 }
 
+// CORE-BUG-12: block-slot storage; a step re-claims the slot of a tentative draft row, its request
+// is aborted while the step is open, and the step is then discarded. The discard asked whether the
+// draft's group still held the row; the request was gone, so it read the handle's reset state and
+// let the row go (sentinel), though slot-indexed rows outlive their request and the row was stored
+// before the step. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-12-discard-after-abort-drops-slot-row).
+TEST_CASE("CORE-BUG-12: a step discarded after its request was aborted leaves the slot rows stored before it")
+{
+  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
+                                       rr::block_slot_storage>;
+  small_replay<block_slot> s{rr_test::small_config()};
+  s.rr().add_request(1);
+  const std::int64_t slots_a[] = {0, 1};
+  const std::int64_t block0[]  = {0};
+  rr::step_plan a;
+  a.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .num_draft_tokens = 1, .slots = slots_a});
+  a.add_fresh_blocks(block0);
+  s.step(a, 1);  // position 1 is a tentative draft row at slot 1
+  const std::int64_t blocks[] = {0};
+  std::vector<std::int16_t> before(static_cast<std::size_t>(4 * s.rr().row_size()));
+  s.rr().export_blocks(blocks, before);
+  const std::int64_t slots_b[] = {1};
+  rr::step_plan b;
+  b.schedule({.id = 1, .first_position = 1, .num_tokens = 1, .slots = slots_b});  // takes the draft row over
+  s.rr().begin_step(b, s.stream());
+  s.rr().abort(1);
+  s.forward(1, valid_id, /*skip_slot=*/1);  // a layer left unwritten: the step is discarded
+  expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"step 2"});
+  std::vector<std::int16_t> after(before.size());
+  s.rr().export_blocks(blocks, after);
+  CHECK(after == before);
+}
+
 // CORE-BUG-2 (a): the status of a step whose end_step failed while enqueuing its copy is never
 // reset: the ring slot's next step inherits its problem and is discarded for it.
 TEST_CASE("CORE-BUG-2a: a step whose status reset failed to enqueue does not poison the next one")

@@ -445,12 +445,19 @@ class row_filer {
   }
 
   // Whether the row a discarded step re-claimed at `c` stays: yes, unless it is a tentative draft row
-  // the step took over whose group was resolved meanwhile: then only if its position is committed.
+  // the step took over whose group was resolved meanwhile: then only if its position is committed;
+  // or the request is gone: then where rows outlive requests (slot-indexed).
   static bool keeps_row(const step_record<Index>& step, const replaced_claim& c, request_registry& requests) noexcept
   {
+    const auto& r = requests[c.handle];
+    // The request went (released or aborted) before the discard. Slot-indexed rows outlive their
+    // request, so the row stays as its others do (and no draft group will resolve it); per-request
+    // rows went with it, and the handle may name a new request by now.
+    const auto run =
+      std::find_if(step.runs.begin(), step.runs.end(), [&](const step_run& x) { return x.handle == c.handle; });
+    if (run != step.runs.end() && run->generation != r.generation) { return Store::slot_indexed; }
     for (const auto& t : step.taken) {
       if (t.handle != c.handle || t.position != c.position) { continue; }
-      const auto& r = requests[t.handle];
       for (const auto& g : r.drafts) {
         if (g.step_serial == t.group_step && g.accepted < 0) { return true; }
       }
