@@ -151,13 +151,8 @@ class per_request_store {
     }
     if (r.capacity > 0 && !unmap(r.view, r.capacity)) { throw_system_error("mmap over a closed request's rows"); }
     release_segments(r.segments, r.last_claim);
-    r.segments.clear();
-    r.claimed_by.clear();
-    r.capacity    = 0;
-    r.claimed_end = 0;
-    r.recent      = {};
-    r.last_claim  = 0;
-    set_tail(r);
+    forget_rows(r);
+    r.last_claim = 0;
   }
 
   /// @brief Nothing to check: cached slots are not used here.
@@ -232,13 +227,8 @@ class per_request_store {
       park(r);
       r.view = bare_.back();
       bare_.pop_back();
-      r.segments.clear();
-      r.claimed_by.clear();
-      r.capacity    = 0;
-      r.claimed_end = 0;
-      r.recent      = {};
-      r.adopted     = false;
-      set_tail(r);
+      forget_rows(r);
+      r.adopted = false;
       return;
     }
     const auto segment      = r.segments.back();
@@ -468,6 +458,17 @@ class per_request_store {
     std::uint64_t* by = r.claimed_by.data() + run.first;
     for (std::int64_t i = 0; i < run.count; ++i) { by[i] = run.serial_at(run.first + i); }
     run = {};
+  }
+
+  // `r` holds no rows any more: no segments, no claims (its range stays reserved).
+  void forget_rows(request_rows& r) const noexcept
+  {
+    r.segments.clear();
+    r.claimed_by.clear();
+    r.capacity    = 0;
+    r.claimed_end = 0;
+    r.recent      = {};
+    set_tail(r);
   }
 
   // Where the last segment of `r` starts in its range and where kernels reach it (device_pieces()'s
