@@ -51,6 +51,8 @@ struct loop_options {
   std::int64_t max_model_len = 4096;
   std::int32_t hidden        = 0;     ///< stand-in GEMM [n, H] x [H, H] per layer; 0: none
   std::int32_t decode_steps  = 64;
+  /// @brief replay_config::host_memory_ahead (-1: the library's default, one step's rows).
+  std::int64_t host_memory_ahead = -1;
   bool sync_forward          = false; ///< synchronize the forward before end_step()
   /// @brief How the forward hands routing to the library: "capture" (capture() after each router,
   /// one kernel per layer) or "record" (the router kernel records through the device reference
@@ -223,12 +225,13 @@ inline void print_json_line(const loop_result& r, const loop_options& o)
     "{\"impl\": \"routing_replay\", \"policy\": \"%s\", \"scenario\": \"%s\", \"mode\": \"%s\", "
     "\"layers\": %d, \"topk\": %d, \"experts\": %d, \"host_us\": %s, \"fwd_gpu_us\": %s, "
     "\"fwd0_gpu_us\": %s, \"step_us\": %s, \"step0_us\": %s, \"extract_us\": %s, \"correct\": %s, "
-    "\"eos_gpu_us\": %s, \"begin_us\": %s, \"overhead_us\": %s, \"capture_path\": \"%s\"}\n",
+    "\"eos_gpu_us\": %s, \"begin_us\": %s, \"overhead_us\": %s, \"capture_path\": \"%s\", "
+    "\"host_memory_ahead\": %lld}\n",
     r.policy.c_str(), r.scenario.c_str(), r.mode.c_str(), o.layers, o.topk, o.experts,
     number(r.host_us).c_str(), number(r.fwd_gpu_us).c_str(), number(r.fwd0_gpu_us).c_str(),
     number(r.step_us).c_str(), number(r.step0_us).c_str(), number(r.extract_us).c_str(),
     r.correct ? "true" : "false", number(r.eos_gpu_us).c_str(), number(r.begin_us).c_str(),
-    number(r.overhead_us).c_str(), o.capture_path.c_str());
+    number(r.overhead_us).c_str(), o.capture_path.c_str(), static_cast<long long>(o.host_memory_ahead));
   std::fflush(stdout);
 }
 
@@ -302,7 +305,9 @@ loop_result run_scenario(const loop_options& o, const scenario& s, bool graph_mo
   std::iota(config.moe_layers.begin(), config.moe_layers.end(), 0);
   config.block_size = static_cast<std::int32_t>(block_size);
   config.num_blocks = s.num_requests * blocks_per_request;  // every request's KV at once
+  config.host_memory_ahead = o.host_memory_ahead;
   replay_type replay{config};
+  replay.wait_for_host_memory_ahead();  // as an engine at start-up: its first steps find memory ready
 
   const auto max_rows = static_cast<std::size_t>(o.max_tokens);
   typename backend::template pinned_vector<token_info> staging(max_rows);

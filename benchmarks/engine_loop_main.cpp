@@ -49,6 +49,11 @@ options (LIST: comma-separated names, or all):
   --capture-path NAME   capture | record: capture() after each router (one kernel per layer), or
                         the router kernel recording through the device reference (no extra
                         launch) (default: capture)
+  --host-memory-ahead N bytes of per-request row memory kept mapped ahead of need by the library's
+                        worker (replay_config::host_memory_ahead; default -1: one step's rows;
+                        0: none). The prefill scenario keeps every request to the end, so each
+                        step needs 6.3 MB of new rows: one step ahead cannot keep up with steps
+                        shorter than mapping them takes
   --sync-forward        synchronize the forward before end_step(), so that host_us is the
                         library's host path alone (without it, sync_copy waits for the forward)
   --help                print this text
@@ -126,6 +131,8 @@ command_line parse(std::span<char* const> args)
       o.max_tokens = arg.number<std::int32_t>(1);
     } else if (flag == "--max-model-len") {
       o.max_model_len = arg.number<std::int64_t>(1);
+    } else if (flag == "--host-memory-ahead") {
+      o.host_memory_ahead = arg.number<std::int64_t>(-1);
     } else if (flag == "--decode-steps") {
       o.decode_steps = arg.number<std::int32_t>(1);
     } else if (flag == "--hidden") {

@@ -311,6 +311,12 @@ struct cuda_backend {
   /// @brief Blocks the calling thread until the latest record of `e` has completed.
   static void synchronize(const event& e)
   {
+    // Steps are mostly retired once their event has completed (ready() said so, or the copy that
+    // waited for it did), and on a completed event a query costs 0.2 us where
+    // cudaEventSynchronize costs 1.5 us (H200): two of them were a fifth of end_step().
+    const cudaError_t status = cudaEventQuery(e.get());
+    if (status == cudaSuccess) { return; }
+    if (status != cudaErrorNotReady) { detail::check_cuda(status, "cudaEventQuery"); }
     detail::check_cuda(cudaEventSynchronize(e.get()), "cudaEventSynchronize");
   }
 

@@ -63,7 +63,8 @@ using host_store = typename Storage::template store<
 /// @brief A host-storage policy: names a store that opens and closes requests, validates and
 /// reserves ahead of the scatter (so filing never fails), files rows (claim/unclaim/erase, by step
 /// serial, readable once filed), tells kernels where rows go (device_pieces), serves them
-/// (contiguous/read/read_rows) and accounts its bytes against the memory limit; and says whether
+/// (contiguous/read/read_rows), accounts its bytes against the memory limit and waits for the
+/// memory it keeps ready ahead of need (wait_until_ahead); and says whether
 /// row addresses stay fixed while rows are in flight.
 template <class S>
 concept host_storage = requires(typename S::template store<std::int16_t>& store,
@@ -97,6 +98,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   cstore.read_rows(h, position, position, row);
   { cstore.bytes_in_use() } -> std::convertible_to<std::size_t>;
   { cstore.limit() } -> std::convertible_to<std::size_t>;
+  cstore.wait_until_ahead();
 };
 
 }  // namespace routing_replay

@@ -362,6 +362,13 @@ class Replay:
         """Live requests."""
         return self._native.num_requests
 
+    def wait_for_host_memory_ahead(self) -> None:
+        """Blocks until the host row memory kept ahead of need (``host_memory_ahead``) is mapped and,
+        for device scatter, registered: call it once at start-up, so that the first steps of new
+        requests take memory that is ready. Returns at once for block_slot storage and where nothing
+        is kept ahead."""
+        self._native.wait_for_host_memory_ahead()
+
     @property
     def live_views(self) -> int:
         """Zero-copy extractions still alive (see :meth:`extract`)."""

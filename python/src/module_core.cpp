@@ -663,6 +663,9 @@ NB_MODULE(_core, m)
     .def_prop_ro("host_bytes", [](const rp::replay_handle& h) { return h.impl->host_bytes(); })
     .def_prop_ro("steps_in_flight", [](const rp::replay_handle& h) { return h.impl->steps_in_flight(); })
     .def_prop_ro("num_requests", [](const rp::replay_handle& h) { return h.impl->num_requests(); })
+    .def("wait_for_host_memory_ahead", [](const rp::replay_handle& h) { h.impl->wait_for_host_memory_ahead(); },
+         nb::call_guard<nb::gil_scoped_release>(),
+         "Blocks until the host row memory kept ahead of need is mapped and registered.")
     .def_prop_ro("live_views", [](const rp::replay_handle& h) { return h.live_views; })
     .def("layer_slot", [](const rp::replay_handle& h, std::int32_t layer) { return h.impl->layer_slot(layer); })
     .def("hold_stream", [](rp::replay_handle& h, rr::host_stream& s) { h.hold_stream(nb::find(&s)); },

@@ -151,6 +151,8 @@ class replay_base {
   [[nodiscard]] virtual std::size_t steps_in_flight() const noexcept = 0;
   /// @brief RoutingReplay::num_requests().
   [[nodiscard]] virtual std::size_t num_requests() const noexcept = 0;
+  /// @brief RoutingReplay::wait_for_host_memory_ahead().
+  virtual void wait_for_host_memory_ahead() const = 0;
   /// @brief RoutingReplay::layer_slot().
   [[nodiscard]] virtual std::int32_t layer_slot(std::int32_t model_layer) const = 0;
 

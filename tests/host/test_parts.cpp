@@ -14,6 +14,8 @@
 
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -414,6 +416,29 @@ TEST_CASE("row_arena: superblocks made ahead by the worker are taken first, at t
   CHECK(*moved.address(blocks[0].offset) == std::byte{1});
   for (const auto& b : blocks) { moved.release(b); }
   CHECK(moved.bytes_in_use() == 0);
+}
+
+TEST_CASE("row_arena: wait_until_ahead() returns once the worker holds every superblock it keeps ahead")
+{
+  auto file_bytes = [](int fd) {
+    struct stat st{};
+    REQUIRE(::fstat(fd, &st) == 0);
+    return static_cast<std::size_t>(st.st_size);
+  };
+  rr::detail::row_arena<rr::detail::host_written_rows> none{4096, 1};
+  none.wait_until_ahead();  // no worker: nothing to wait for
+  CHECK(file_bytes(none.fd()) == 0);
+
+  // 24 KiB ahead in superblocks of 8 KiB: three, plus the one for a step's partial superblock
+  rr::detail::row_arena<rr::detail::host_written_rows> arena{4096, 1, /*ahead=*/3 * 8192};
+  arena.wait_until_ahead();
+  CHECK(file_bytes(arena.fd()) == 4 * 8192);  // made, and no more than asked for
+  std::vector<rr::detail::row_arena<rr::detail::host_written_rows>::block> blocks;
+  for (int i = 0; i < 3; ++i) { blocks.push_back(arena.allocate(1)); }  // taken from those made ahead
+  CHECK(file_bytes(arena.fd()) <= 7 * 8192);
+  arena.wait_until_ahead();  // the worker made three more
+  CHECK(file_bytes(arena.fd()) == 7 * 8192);
+  for (const auto& b : blocks) { arena.release(b); }
 }
 
 TEST_CASE("per-request rows: new positions are claimed as one range; a claimed one sends the run row by row")

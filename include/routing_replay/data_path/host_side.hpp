@@ -66,6 +66,12 @@ class host_side {
   [[nodiscard]] std::size_t host_bytes() const noexcept { return filer_.store().bytes_in_use(); }
   /// @brief Live requests.
   [[nodiscard]] std::size_t num_requests() const noexcept { return requests_.size(); }
+  /// @brief Blocks until the host row memory kept ahead of need (replay_config::host_memory_ahead)
+  /// is mapped, faulted in and, for device scatter, registered. An engine calls it once at
+  /// start-up, so that its first steps of new requests take memory that is ready instead of
+  /// mapping it on the step's path. Returns at once for block-slot storage (its pool is allocated
+  /// when the replay is built) and where nothing is kept ahead. Safe from any thread.
+  void wait_for_host_memory_ahead() const { filer_.store().wait_until_ahead(); }
   /// @brief The captured index (layer slot) of a model layer.
   /// @throws error unknown_layer if the layer map does not capture it.
   [[nodiscard]] std::int32_t layer_slot(std::int32_t model_layer) const { return filer_.layers().slot(model_layer); }

@@ -145,6 +145,9 @@ class block_slot_store {
     }
   }
 
+  /// @brief Nothing to wait for: the row pool is allocated when the store is built.
+  void wait_until_ahead() const noexcept {}
+
   /// @brief Metadata only: the row pool is allocated up front and counted at construction.
   [[nodiscard]] std::size_t growth_bytes(std::uint32_t, std::int64_t, bool) const noexcept
   {

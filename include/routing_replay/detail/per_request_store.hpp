@@ -178,6 +178,10 @@ class per_request_store {
     return order < 0 ? 0 : arena_.block_bytes(order);
   }
 
+  /// @brief Blocks until the row memory kept ahead of need (replay_config::host_memory_ahead) is
+  /// mapped, faulted in and registered.
+  void wait_until_ahead() const { arena_.wait_until_ahead(); }
+
   /// @brief Bytes of rows held (segments of live requests, and of closed ones still in flight).
   [[nodiscard]] std::size_t bytes_in_use() const noexcept { return arena_.bytes_in_use() - parked_bytes_; }
   /// @brief The host memory limit.

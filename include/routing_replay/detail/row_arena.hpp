@@ -138,6 +138,15 @@ class row_arena {
   [[nodiscard]] int max_order() const noexcept { return max_order_; }
   /// @brief Bytes of blocks handed out and not released.
   [[nodiscard]] std::size_t bytes_in_use() const noexcept { return in_use_; }
+  /// @brief Blocks until the worker holds every superblock it keeps ahead, or has ended (a refused
+  /// mapping: the engine's thread then maps its own); returns at once without a worker.
+  void wait_until_ahead() const
+  {
+    if (!worker_.joinable()) { return; }
+    auto& p = *provision_;
+    std::unique_lock lock{p.mutex};
+    p.made.wait(lock, [&] { return p.stop || p.ready.size() >= p.wanted; });
+  }
   /// @brief The file, for mapping blocks elsewhere.
   [[nodiscard]] int fd() const noexcept { return fd_; }
 
@@ -228,7 +237,8 @@ class row_arena {
   // when the arena moves.
   struct provisioning {
     std::mutex mutex;
-    std::condition_variable wake;
+    std::condition_variable wake;         // the engine's thread took a superblock, or the arena goes
+    std::condition_variable made;         // the worker made one, or ended
     std::vector<ready_superblock> ready;  // made ahead, not yet in the free lists
     std::uint64_t file_bytes = 0;         // the file's size: superblock offsets below it are taken
     std::size_t wanted       = 0;         // superblocks to keep ready
@@ -244,6 +254,7 @@ class row_arena {
     } catch (...) {  // nothing is made ahead: the engine's thread makes every superblock itself
       const std::lock_guard lock{p.mutex};
       p.wanted = 0;
+      p.made.notify_all();
       return;
     }
     std::unique_lock lock{p.mutex};
@@ -251,7 +262,11 @@ class row_arena {
       p.wake.wait(lock, [&] { return p.stop || p.ready.size() < p.wanted; });
       if (p.stop) { return; }
       const std::uint64_t offset = p.file_bytes;
-      if (::ftruncate(fd, static_cast<off_t>(offset + bytes)) != 0) { return; }  // under the lock: sizes only grow
+      if (::ftruncate(fd, static_cast<off_t>(offset + bytes)) != 0) {  // under the lock: sizes only grow
+        p.wanted = 0;
+        p.made.notify_all();
+        return;
+      }
       p.file_bytes = offset + bytes;
       lock.unlock();
       // Faulted in here, off the engine's thread, and pinned for kernels where they write it. Page
@@ -276,9 +291,11 @@ class row_arena {
       lock.lock();
       if (!ok) {
         p.wanted = 0;
+        p.made.notify_all();
         return;
       }
       p.ready.push_back({offset, static_cast<std::byte*>(at)});  // reserved up to `wanted`
+      p.made.notify_all();
     }
   }
 
