@@ -74,6 +74,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
                                 std::span<const std::int64_t> slots,
                                 std::int16_t* row) {
   { S::template store<std::int16_t>::slot_indexed } -> std::convertible_to<bool>;
+  { S::template store<std::int16_t>::reserve_only_grows } -> std::convertible_to<bool>;
   { S::stable_row_addresses } -> std::convertible_to<bool>;
   store.open(h);
   store.close(h);

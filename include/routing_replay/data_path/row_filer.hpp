@@ -203,33 +203,31 @@ class row_filer {
     }
   }
 
-  /// @brief Claims every row of the step just planned (claims_when_planned), recording for each
-  /// request its T before and after, and the step's pieces: where each run of claimed rows goes
-  /// (at addresses kernels reach, for a device scatter) and where it comes from.
-  void claim_planned(step_record<Index>& step, request_registry& requests)
+  /// @brief Claims the rows of `run`, the run of request `r` just added to the step being planned
+  /// (claims_when_planned), recording the request's T before and after, and the step's pieces:
+  /// where each range of claimed rows goes (at addresses kernels reach, for a device scatter) and
+  /// where it comes from.
+  void claim_planned(step_record<Index>& step, step_run& run, request_state& r)
   {
-    for (auto& run : step.runs) {
-      auto& r             = requests[run.handle];
-      run.recorded_before = r.recorded_rows;
-      claim_run(
-        run, r, step,
-        [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) {
-          const bool replaces = c.replaced != detail::row_claim<Index>::no_claim;  // single rows only
-          if (replaces) {
-            const std::int64_t i    = row - run.first_row;
-            const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
-            step.replaced.push_back({run.handle, run.first_position + i, slot, c.replaced});  // reserved
-          }
-          std::int64_t src = row * row_elems_;
-          store_.device_pieces(run.handle, c.dst, rows * row_elems_, [&](Index* dst, std::int64_t elems) {
-            add_piece(step.ops, {dst, c.copy_from, src, elems, replaces});
-            src += elems;
-            if (c.copy_from != nullptr) { c.copy_from += elems; }
-          });
-        },
-        &step.taken);
-      run.recorded_after = r.recorded_rows;
-    }
+    run.recorded_before = r.recorded_rows;
+    claim_run(
+      run, r, step,
+      [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) {
+        const bool replaces = c.replaced != detail::row_claim<Index>::no_claim;  // single rows only
+        if (replaces) {
+          const std::int64_t i    = row - run.first_row;
+          const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
+          step.replaced.push_back({run.handle, run.first_position + i, slot, c.replaced});  // reserved
+        }
+        std::int64_t src = row * row_elems_;
+        store_.device_pieces(run.handle, c.dst, rows * row_elems_, [&](Index* dst, std::int64_t elems) {
+          add_piece(step.ops, {dst, c.copy_from, src, elems, replaces});
+          src += elems;
+          if (c.copy_from != nullptr) { c.copy_from += elems; }
+        });
+      },
+      &step.taken);
+    run.recorded_after = r.recorded_rows;
   }
 
   /// @brief Room in `step`'s pieces for a step of `num_rows` rows (claim_planned() then never

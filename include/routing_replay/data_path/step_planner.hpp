@@ -69,9 +69,10 @@ class step_planner {
     auto& store = filer.store();
     ++attempt_;
     store.begin_validation();
-    std::size_t growth       = 0;
-    std::size_t exact_growth = 0;
+    std::size_t growth = 0;
     handles_.clear();
+    tokens_     = 0;
+    has_drafts_ = false;
     for (const auto& entry : plan.entries()) {
       const scheduled_request& s = entry.request;
       if (s.num_tokens < 0) {
@@ -94,13 +95,22 @@ class step_planner {
           throw error{e.code(), "request " + r.id->to_string() + ": " + e.what()};
         }
       }
+      tokens_ += static_cast<std::size_t>(s.num_tokens);
+      has_drafts_ = has_drafts_ || s.num_draft_tokens > 0;
       growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
-      exact_growth += store.growth_bytes(h, s.first_position + s.num_tokens, true);
     }
+    grows_ = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
     store.check_blocks(plan.fresh_blocks(), "fresh");
     // doubling every request that grows would cross the limit: grow each exactly, if that fits
     exact_growth_ = store.bytes_in_use() + growth > store.limit();
-    if (exact_growth_ && store.bytes_in_use() + exact_growth > store.limit()) {
+    if (!exact_growth_) { return; }
+    std::size_t exact_growth = 0;  // rarely needed: a second pass
+    std::size_t i            = 0;
+    for (const auto& entry : plan.entries()) {
+      if (entry.skipped) { continue; }
+      exact_growth += store.growth_bytes(handles_[i++], entry.request.first_position + entry.request.num_tokens, true);
+    }
+    if (store.bytes_in_use() + exact_growth > store.limit()) {
       throw error{errc::host_memory_exhausted,
                   "step needs " + std::to_string(exact_growth) + " more bytes of host storage; " +
                     std::to_string(store.bytes_in_use()) + " bytes are in use of host_memory_limit " +
@@ -121,7 +131,11 @@ class step_planner {
     reserve_record(plan, requests, filer);
     std::size_t grown = 0;  // runs whose storage was reserved: undone if a later one fails
     try {
+      // a store whose reserve() only grows rows has nothing to do in a step where none grows (most
+      // decode steps): the pass over the plan is skipped
+      const bool reserves = grows_ || !Filer::store_type::reserve_only_grows;
       for (const auto& entry : plan.entries()) {
+        if (!reserves) { break; }
         if (entry.skipped) { continue; }
         const scheduled_request& s = entry.request;
         grew_[grown] = store.reserve(handles_[grown], s.first_position + s.num_tokens, exact_growth_);
@@ -162,8 +176,10 @@ class step_planner {
       out.runs.push_back(
         {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});
       if (s.num_draft_tokens > 0) { r.drafts.push_back(draft_group_of(s, slots_begin >= 0)); }
+      // in the same pass (a request appears once in a plan: its claims depend on its own run, and
+      // on earlier runs' claims of shared slots, never on later runs)
+      if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, out.runs.back(), r); }
     }
-    if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, requests); }
     open_ = true;
   }
 
@@ -182,10 +198,7 @@ class step_planner {
   template <class Filer>
   void reserve_record(const step_plan& plan, request_registry& requests, Filer& filer)
   {
-    std::size_t tokens = 0;
-    for (const auto& entry : plan.entries()) {
-      if (!entry.skipped) { tokens += static_cast<std::size_t>(entry.request.num_tokens); }
-    }
+    const std::size_t tokens = tokens_;  // validate() counted them
     record_.runs.reserve(handles_.size());
     record_.fresh_blocks.reserve(plan.fresh_blocks().size());
     if constexpr (Filer::store_type::slot_indexed) {
@@ -198,6 +211,7 @@ class step_planner {
       record_.taken.reserve(tokens);
     }
     grew_.resize(std::max(grew_.size(), handles_.size()));
+    if (!has_drafts_) { return; }
     std::size_t i = 0;
     for (const auto& entry : plan.entries()) {
       if (entry.skipped) { continue; }
@@ -240,6 +254,9 @@ class step_planner {
   std::uint64_t serial_  = 0;  // serial of the latest step opened
   std::uint64_t attempt_ = 0;  // validation passes, to spot a request scheduled twice in a plan
   bool exact_growth_     = false;
+  bool grows_            = false;  // some run of the validated plan needs more storage
+  bool has_drafts_       = false;  // some run of the validated plan has draft tokens
+  std::size_t tokens_    = 0;      // tokens of the validated plan's runs
   bool open_             = false;
   std::vector<std::uint32_t> handles_;  // the plan's runs' handles, found once by validate()
   std::vector<char> grew_;              // per run of the plan being opened: its storage grew

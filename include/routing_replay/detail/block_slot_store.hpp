@@ -40,6 +40,9 @@ class block_slot_store {
  public:
   /// @brief Whether rows live at KV slots (true: at slots).
   static constexpr bool slot_indexed = true;
+  /// @brief reserve() also makes room in a request's position map, which growth_bytes() does not
+  /// count: it runs for every request of a step.
+  static constexpr bool reserve_only_grows = false;
 
   block_slot_store(const replay_config& config, std::int64_t row_elems)
     : row_elems_(row_elems),

@@ -90,6 +90,8 @@ class per_request_store {
  public:
   /// @brief Whether rows live at KV slots (false: at request positions).
   static constexpr bool slot_indexed = false;
+  /// @brief reserve() changes nothing for a request whose growth_bytes() is 0 (the planner skips it).
+  static constexpr bool reserve_only_grows = true;
 
   per_request_store(const replay_config& config, std::int64_t row_elems)
     : row_bytes_(static_cast<std::size_t>(row_elems) * sizeof(Index)),
