@@ -66,9 +66,7 @@ class block_slot_store {
     rows_.assign(static_cast<std::size_t>(num_slots_ * row_elems_), index_traits<Index>::sentinel);
     base_ = std::to_address(rows_.data());
     generation_.assign(static_cast<std::size_t>(config.num_blocks), 1u);  // 0 means "never"
-    claimed_in_.assign(static_cast<std::size_t>(num_slots_), 0u);
-    claimed_by_step_.assign(static_cast<std::size_t>(num_slots_), 0u);
-    slot_stamp_.assign(static_cast<std::size_t>(num_slots_), 0u);
+    slots_.assign(static_cast<std::size_t>(num_slots_), slot_state{});
   }
 
   /// @brief Starts bookkeeping for request handle `h`.
@@ -118,11 +116,11 @@ class block_slot_store {
     }
     check_slot_range(slots);
     for (const std::int64_t slot : slots) {
-      if (slot_stamp_[static_cast<std::size_t>(slot)] == attempt_) {
-        throw error{errc::slot_out_of_range,
-                    "slot " + std::to_string(slot) + " is used twice in one step"};
+      auto& stamp = slots_[static_cast<std::size_t>(slot)].stamp;
+      if (stamp == attempt_) {
+        throw error{errc::slot_out_of_range, "slot " + std::to_string(slot) + " is used twice in one step"};
       }
-      slot_stamp_[static_cast<std::size_t>(slot)] = attempt_;
+      stamp = attempt_;
     }
   }
 
@@ -130,7 +128,7 @@ class block_slot_store {
   void begin_validation()
   {
     if (++attempt_ == 0) {  // wrapped: old stamps could collide with new passes
-      std::fill(slot_stamp_.begin(), slot_stamp_.end(), 0u);
+      for (auto& state : slots_) { state.stamp = 0u; }
       attempt_ = 1;
     }
   }
@@ -212,9 +210,9 @@ class block_slot_store {
     for (const std::int64_t b : blocks) {
       for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, rows += row_elems_) {
         std::copy_n(rows, row_elems_, row_at(slot));
-        claimed_in_[static_cast<std::size_t>(slot)] =
-          rows[0] != index_traits<Index>::sentinel ? generation_of(slot) : 0u;
-        claimed_by_step_[static_cast<std::size_t>(slot)] = 0u;  // already here
+        slot_state& state     = slots_[static_cast<std::size_t>(slot)];
+        state.claimed_in      = rows[0] != index_traits<Index>::sentinel ? generation_of(slot) : 0u;
+        state.claimed_by_step = 0u;  // already here
       }
     }
   }
@@ -248,12 +246,12 @@ class block_slot_store {
     const slot_ref prior = at;
     at                   = slot_ref{slot, planned};
     if (generation_of(slot) != planned) { return {}; }
-    const auto s      = static_cast<std::size_t>(slot);
-    const bool held   = claimed_in_[s] == planned;
+    slot_state& state = slots_[static_cast<std::size_t>(slot)];
+    const bool held   = state.claimed_in == planned;
     if (!replace && held) { return {}; }
-    const std::uint64_t replaced = held ? claimed_by_step_[s] : row_claim<Index>::no_claim;
-    claimed_in_[s]               = planned;
-    claimed_by_step_[s]          = step;
+    const std::uint64_t replaced = held ? state.claimed_by_step : row_claim<Index>::no_claim;
+    state.claimed_in             = planned;
+    state.claimed_by_step        = step;
     if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
     return {row_at(slot), nullptr, replaced};
   }
@@ -262,8 +260,8 @@ class block_slot_store {
   /// step `prior` (row_claim::replaced): the row there is `prior`'s again.
   void restore_claim(std::uint32_t, std::int64_t, std::int64_t slot, std::uint64_t serial, std::uint64_t prior) noexcept
   {
-    const auto at = static_cast<std::size_t>(slot);
-    if (claimed_by_step_[at] == serial && claimed_in_[at] == generation_of(slot)) { claimed_by_step_[at] = prior; }
+    slot_state& state = slots_[static_cast<std::size_t>(slot)];
+    if (state.claimed_by_step == serial && state.claimed_in == generation_of(slot)) { state.claimed_by_step = prior; }
   }
 
   /// @brief Every step up to `serial` has been filed: rows they claimed have arrived. Rows of later
@@ -274,8 +272,8 @@ class block_slot_store {
   /// (a discarded step).
   void unclaim(std::uint32_t, std::int64_t, std::int64_t slot, std::uint64_t serial) noexcept
   {
-    const auto at = static_cast<std::size_t>(slot);
-    if (claimed_by_step_[at] == serial && claimed_in_[at] == generation_of(slot)) { claimed_in_[at] = 0u; }
+    slot_state& state = slots_[static_cast<std::size_t>(slot)];
+    if (state.claimed_by_step == serial && state.claimed_in == generation_of(slot)) { state.claimed_in = 0u; }
   }
 
   /// @brief Calls `emit(dst, elems)` for the `elems` ids at `host_dst`: kernels reach the pool at
@@ -291,7 +289,7 @@ class block_slot_store {
   void erase(std::uint32_t h, std::int64_t position, std::int64_t slot)
   {
     slot_ref& at = positions_[h][static_cast<std::size_t>(position)];
-    if (at.slot == slot && claimed(at)) { claimed_in_[static_cast<std::size_t>(slot)] = 0u; }
+    if (at.slot == slot && claimed(at)) { slots_[static_cast<std::size_t>(slot)].claimed_in = 0u; }
     at = slot_ref{};
   }
 
@@ -341,6 +339,15 @@ class block_slot_store {
   }
 
  private:
+  // What a step checks and claims of a slot, in one entry: three arrays of the pool's size cost a
+  // step three cache and TLB misses a row where the slots of a step lie far apart (a decoding
+  // batch: one slot per request, each in its own KV block).
+  struct slot_state {
+    std::uint64_t claimed_by_step = 0;  // the step that claimed its row (0: imported, or none)
+    std::uint32_t claimed_in      = 0;  // the block generation its row was claimed in (0: none)
+    std::uint32_t stamp           = 0;  // the validation pass that last saw it in a plan
+  };
+
   struct slot_ref {
     std::int64_t slot       = -1;
     std::uint32_t generation = 0;
@@ -358,12 +365,12 @@ class block_slot_store {
   [[nodiscard]] bool claimed(const slot_ref& at) const noexcept
   {
     return at.slot >= 0 && generation_of(at.slot) == at.generation &&
-           claimed_in_[static_cast<std::size_t>(at.slot)] == at.generation;
+           slots_[static_cast<std::size_t>(at.slot)].claimed_in == at.generation;
   }
 
   [[nodiscard]] bool landed(std::int64_t slot) const noexcept
   {
-    return claimed_by_step_[static_cast<std::size_t>(slot)] <= filed_through_;
+    return slots_[static_cast<std::size_t>(slot)].claimed_by_step <= filed_through_;
   }
 
   /// @brief The row a reference points to if it is claimed, its step has been filed (readers file
@@ -382,10 +389,8 @@ class block_slot_store {
   Rows rows_;
   Index* base_ = nullptr;
   std::vector<std::uint32_t> generation_;
-  std::vector<std::uint32_t> claimed_in_;       // per slot: the generation its row was claimed in
-  std::vector<std::uint64_t> claimed_by_step_;  // per slot: the step that claimed it (0: imported)
   std::uint64_t filed_through_ = 0;             // every step up to this serial has been filed
-  std::vector<std::uint32_t> slot_stamp_;
+  std::vector<slot_state> slots_;  // per slot
   std::uint32_t attempt_ = 0;
   std::vector<std::vector<slot_ref>> positions_;
 };
