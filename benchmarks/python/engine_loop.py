@@ -146,6 +146,8 @@ class ReplayDriver:
                                 moe_layers=range(L), device=device, index=ARGS.index, layout=ARGS.layout,
                                 copy=ARGS.copy, storage=ARGS.storage, block_size=16 if ARGS.storage == "block_slot" else 0,
                                 num_blocks=(ARGS.blocks if ARGS.storage == "block_slot" else 0), **ahead_kw())
+        if hasattr(self.replay, "wait_for_host_memory_ahead"):  # as an engine at start-up (earlier trees: none)
+            self.replay.wait_for_host_memory_ahead()
         self.plan = rr.StepPlan()
         self.handles = {}
         self.columnar = hasattr(self.plan, "schedule_handles")

@@ -98,6 +98,9 @@ class RoutedExpertsCapturer:
             host_memory_ahead=host_memory_ahead,
             _staging=True,
         )
+        # built once at the engine's start-up: the first steps of new requests then take host memory
+        # that is mapped (and registered) already, not a prefill's megabytes mapped on the step's path
+        self._replay.wait_for_host_memory_ahead()
         self._native = self._replay._native
         self._id = next(_replay_ids)
         _live[self._id] = self

@@ -524,3 +524,22 @@ def test_module_information(device):
     run_step(replay, device, [("a", 0, 3)], routing(3))
     replay.drain()
     assert replay.host_bytes >= 3 * 2 * K
+
+
+@pytest.mark.parametrize("storage", ["per_request", "block_slot"])
+def test_wait_for_host_memory_ahead(device, storage):
+    """Returns once the rows kept ahead are ready (at once for block_slot and without any kept
+    ahead); the steps after it work as before."""
+    kw = dict(storage=storage, block_size=4, num_blocks=16) if storage == "block_slot" else dict(storage=storage)
+    for ahead in (0, 1 << 20):
+        replay = make(device, host_memory_ahead=ahead, **kw)
+        replay.wait_for_host_memory_ahead()
+        ids = routing(3)
+        replay.add_request("a")
+        plan = rr.StepPlan()
+        plan.schedule("a", 0, 3, 0, [0, 1, 2] if storage == "block_slot" else None)
+        with replay.step(plan):
+            for layer in range(2):
+                replay.capture(layer, device.array(ids[:, layer]))
+        replay.drain()
+        np.testing.assert_array_equal(replay.extract("a", copy=True).astype(np.int64), ids)
