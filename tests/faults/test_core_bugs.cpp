@@ -362,3 +362,109 @@ TEST_CASE("CORE-BUG-7: destroying the object waits for its work on the engine's 
   opener.join();
   rr::host_backend::synchronize(compute.ref());
 }
+
+// CORE-BUG-13: block-slot storage maps a step's positions when the step begins, but readers see
+// filed steps only. A position recomputed into new blocks read as missing while the step was open
+// (its new slot not yet filed), and one recomputed into a slot another request had already filled
+// read that request's row at once, where it had its own prefix row until the step was filed. Found
+// by the fuzzer (tests/fuzz/core_bugs/core-bug-13-recompute-into-held-slot-read-while-open).
+TEST_CASE("CORE-BUG-13: a position recomputed by the open step reads as before the step until it is filed")
+{
+  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
+                                       rr::block_slot_storage>;
+  const std::int64_t block2[] = {2};
+  const std::int64_t block3[] = {3};
+  const std::int64_t slots_8_9[]   = {8, 9};
+  const std::int64_t slots_12_13[] = {12, 13};
+
+  SUBCASE("recomputed into fresh blocks (preemption)")
+  {
+    small_replay<block_slot> s{rr_test::small_config()};
+    s.rr().add_request(1);
+    rr::step_plan first;
+    first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
+    first.add_fresh_blocks(block2);
+    s.step(first, 1);
+    const auto before = s.rows(1);
+    rr::step_plan again;
+    again.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
+    again.add_fresh_blocks(block3);
+    s.rr().begin_step(again, s.stream());
+    CHECK(s.rows(1) == before);
+    s.forward(2, valid_id);
+    s.end_step();
+    CHECK(s.rows(1) == before);  // the first rows followed their positions
+  }
+
+  SUBCASE("recomputed into a slot another request filled")
+  {
+    small_replay<block_slot> s{rr_test::small_config()};
+    s.rr().add_request(1);
+    rr::step_plan first;
+    first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
+    first.add_fresh_blocks(block2);
+    s.step(first, 1);
+    s.rr().add_request(2);
+    rr::step_plan other;
+    other.schedule({.id = 2, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
+    other.add_fresh_blocks(block3);
+    s.step(other, 2);
+    const auto prefix = s.rows(1);
+    s.rr().add_request(3, {.cached_slots = slots_8_9});  // request 1's prefix
+    REQUIRE(s.rows(3) == prefix);
+    rr::step_plan recompute;
+    recompute.schedule({.id = 3, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
+    s.rr().begin_step(recompute, s.stream());  // request 2's rows stay there (first write wins)
+    CHECK(s.rows(3) == prefix);
+    s.forward(2, valid_id);
+    s.end_step();
+    CHECK(s.rows(3) == s.rows(2));  // filed: the position now maps to the slot's row
+  }
+
+  SUBCASE("a discarded recompute leaves the mapping as it was")
+  {
+    small_replay<block_slot> s{rr_test::small_config()};
+    s.rr().add_request(1);
+    rr::step_plan first;
+    first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
+    first.add_fresh_blocks(block2);
+    s.step(first, 1);
+    const auto before = s.rows(1);
+    rr::step_plan again;
+    again.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
+    again.add_fresh_blocks(block3);
+    s.rr().begin_step(again, s.stream());
+    s.forward(2, valid_id, /*skip_slot=*/1);  // a layer left unwritten: the step is discarded
+    expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"step 2"});
+    CHECK(s.rows(1) == before);
+  }
+}
+
+// CORE-BUG-14: where rows are claimed when a step begins, readers count a request's rows as they
+// were before the open step (step_run::recorded_before, taken when it began). Drafts accepted while
+// the step was open did not raise it: recorded_rows and extract missed the accepted positions until
+// the step was filed. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-14-draft-accepted-while-step-open).
+TEST_CASE("CORE-BUG-14: drafts accepted while a step is open count at once")
+{
+  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
+                                       rr::block_slot_storage>;
+  small_replay<block_slot> s{rr_test::small_config()};
+  s.rr().add_request(1);
+  const std::int64_t block0[]  = {0};
+  const std::int64_t slots_a[] = {0, 1};
+  rr::step_plan a;
+  a.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .num_draft_tokens = 1, .slots = slots_a});
+  a.add_fresh_blocks(block0);
+  s.step(a, 1);  // position 1 is a draft
+  CHECK(s.rr().recorded_rows(1) == 1);
+  const std::int64_t slots_b[] = {2, 3};
+  rr::step_plan b;
+  b.schedule({.id = 1, .first_position = 2, .num_tokens = 2, .slots = slots_b});
+  s.rr().begin_step(b, s.stream());
+  s.rr().accept_draft(1, 1);
+  CHECK(s.rr().recorded_rows(1) == 2);
+  CHECK(s.rr().extract(1).num_rows() == 2);
+  s.forward(2, valid_id);
+  s.end_step();
+  CHECK(s.rr().recorded_rows(1) == 4);
+}

@@ -141,7 +141,9 @@ class host_side {
   void accept_draft(request_key id, std::int32_t num_accepted)
   {
     [[maybe_unused]] const auto inside = threads_.enter("accept_draft");
-    filer_.accept_draft(id, requests_.find(id), num_accepted, requests_, planner_.ended_serial());
+    const std::uint32_t h        = requests_.find(id);
+    const std::int64_t committed = filer_.accept_draft(id, h, num_accepted, requests_, planner_.ended_serial());
+    if (planner_.schedules(requests_[h])) { planner_.count_accepted_drafts(h, committed); }
   }
 
   /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any

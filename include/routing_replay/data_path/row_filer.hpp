@@ -320,9 +320,11 @@ class row_filer {
 
   /// @brief Resolves the oldest pending draft group of request `h` (`id`): the first
   /// `num_accepted` drafts are committed, the rest are erased (their positions will be recomputed).
+  /// @return one past the last position this committed now (0 if none, or if that waits for the
+  /// group's rows to be filed)
   /// @throws error draft_error
-  void accept_draft(request_key id, std::uint32_t h, std::int32_t num_accepted, request_registry& requests,
-                    std::uint64_t ended_through)
+  std::int64_t accept_draft(request_key id, std::uint32_t h, std::int32_t num_accepted, request_registry& requests,
+                            std::uint64_t ended_through)
   {
     auto& r    = requests[h];
     auto group = std::find_if(r.drafts.begin(), r.drafts.end(), [](const draft_group& g) { return g.accepted < 0; });
@@ -337,18 +339,17 @@ class row_filer {
     // Rows claimed when filed: steps that have ended by now file as if when they ended, before this
     // acceptance, so they may still take the group's rows over (claim_run, take_over_draft).
     if constexpr (!claims_when_planned) { group->accepted_through = ended_through; }
-    if (!group->filed) { return; }  // resolved when its rows are filed (claim_run)
+    if (!group->filed) { return 0; }  // resolved when its rows are filed (claim_run)
     for (std::int32_t d = 0; d < group->count; ++d) {
       if (d >= group->accepted && ((group->owned >> d) & 1u) != 0) {
         store_.erase(h, group->first_position + d, group->slots[static_cast<std::size_t>(d)]);
         group->owned &= ~(1u << d);
       }
     }
-    if (group->accepted > 0) {
-      r.recorded_rows = std::max(r.recorded_rows, group->first_position + group->accepted);
-    }
-    if (group->accepted_through > group->step_serial) { return; }  // kept for the steps after its own
-    r.drafts.erase(group);
+    const std::int64_t committed = group->accepted > 0 ? group->first_position + group->accepted : 0;
+    r.recorded_rows              = std::max(r.recorded_rows, committed);
+    if (group->accepted_through <= group->step_serial) { r.drafts.erase(group); }  // else kept for the steps after its own
+    return committed;
   }
 
   // --- block transfers (slot-indexed stores) -----------------------------------------------------

@@ -44,6 +44,16 @@ class step_planner {
   [[nodiscard]] std::uint64_t ended_serial() const noexcept { return open_ ? serial_ - 1 : serial_; }
   /// @brief The open step's record, or nullptr when no step is open.
   [[nodiscard]] const step_record<Index>* open_step() const noexcept { return open_ ? &record_ : nullptr; }
+  /// @brief Drafts of request `h` accepted while a step is open commit positions up to
+  /// `committed_through`: readers count them at once, though the open step's own rows wait for it
+  /// to be filed (its runs keep the T readers see, step_run::recorded_before).
+  void count_accepted_drafts(std::uint32_t h, std::int64_t committed_through) noexcept
+  {
+    if (!open_) { return; }
+    for (auto& run : record_.runs) {
+      if (run.handle == h) { run.recorded_before = std::max(run.recorded_before, committed_through); }
+    }
+  }
   /// @brief Whether the open step schedules request state `r`.
   [[nodiscard]] bool schedules(const request_state& r) const noexcept { return open_ && r.open_step == serial_; }
 

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,11 @@ namespace routing_replay::detail {
 
 /// @brief One [num_blocks * block_size, L, K] array indexed by KV slot, plus, per request, which
 /// slot (and which generation of its block) holds each position.
+///
+/// A step maps the positions it computes when it begins (its claims), but readers keep seeing the
+/// mapping it replaced until that step is filed: a position recomputed into new blocks, or into a
+/// slot another request already filled, reads as before the step until the step's rows are in,
+/// and as before the step for good if the step is discarded.
 ///
 /// A block's generation grows whenever the engine declares it freshly allocated; a position whose
 /// recorded generation differs from its block's current one is stale and reads as missing, never as
@@ -57,6 +63,10 @@ class block_slot_store {
                     std::to_string(config.num_blocks) + ")"};
     }
     const std::size_t bytes = static_cast<std::size_t>(num_slots_ * row_elems_) * sizeof(Index);
+    if (num_slots_ > std::numeric_limits<std::int32_t>::max()) {
+      throw error{errc::invalid_config, "block_slot_storage holds at most 2^31 - 1 slots (got " +
+                                          std::to_string(num_slots_) + ")"};
+    }
     if (bytes > limit_) {
       throw error{errc::host_memory_exhausted,
                   "block_slot_storage for " + std::to_string(num_slots_) + " slots needs " +
@@ -93,16 +103,14 @@ class block_slot_store {
   void bind_cached(std::uint32_t h, std::span<const std::int64_t> cached_slots)
   {
     auto& map = positions_[h];
-    if (map.size() < cached_slots.size()) { map.resize(cached_slots.size(), slot_ref{}); }
+    if (map.size() < cached_slots.size()) { map.resize(cached_slots.size(), position_ref{}); }
     for (std::size_t p = 0; p < cached_slots.size(); ++p) {
-      if (!claimed(map[p])) {
-        map[p] = slot_ref{cached_slots[p], generation_[block_of(cached_slots[p])]};
-      }
+      if (!claimed(map[p].now) && !pending(map[p])) { map[p] = settled(ref_to(cached_slots[p])); }
     }
   }
 
   /// @brief Forgets `h`; its rows stay at their slots for later prefix hits.
-  void close(std::uint32_t h) { positions_[h] = std::vector<slot_ref>{}; }
+  void close(std::uint32_t h) { positions_[h] = std::vector<position_ref>{}; }
 
   /// @brief Validates the slots of a scheduled request: one per token, inside the pool, and no slot
   /// twice in one step.
@@ -171,7 +179,7 @@ class block_slot_store {
   {
     auto& map = positions_[h];
     if (static_cast<std::int64_t>(map.size()) < rows) {
-      map.resize(static_cast<std::size_t>(rows), slot_ref{});
+      map.resize(static_cast<std::size_t>(rows), position_ref{});
     }
     return false;
   }
@@ -192,7 +200,7 @@ class block_slot_store {
   {
     for (const std::int64_t b : blocks) {
       for (std::int64_t slot = b * block_size_; slot < (b + 1) * block_size_; ++slot, out += row_elems_) {
-        if (const Index* row = valid_row(slot_ref{slot, generation_of(slot)})) {
+        if (const Index* row = valid_row(ref_to(slot))) {
           std::copy_n(row, row_elems_, out);
         } else {
           std::fill_n(out, row_elems_, index_traits<Index>::sentinel);
@@ -234,7 +242,8 @@ class block_slot_store {
   /// blocks), that first row follows it to its new slot. A block reallocated since the step was
   /// planned makes the row stale: it is dropped.
   ///
-  /// `step` is the claiming step's serial: the row is readable once that step has been filed.
+  /// `step` is the claiming step's serial: the new mapping, and the row, are readable once that step
+  /// has been filed; until then readers see the position as it was (design.md 2.3).
   [[nodiscard]] row_claim<Index> claim(std::uint32_t h,
                                        std::int64_t position,
                                        std::int64_t slot,
@@ -242,9 +251,12 @@ class block_slot_store {
                                        std::uint64_t step,
                                        bool replace)
   {
-    slot_ref& at         = positions_[h][static_cast<std::size_t>(position)];
-    const slot_ref prior = at;
-    at                   = slot_ref{slot, planned};
+    position_ref& at     = positions_[h][static_cast<std::size_t>(position)];
+    const slot_ref prior = at.now;
+    // Readers keep the mapping they see now; where an earlier claim is itself still pending they
+    // keep seeing what that one replaced (its rows are a copy of it, or the position's new routing
+    // once filed: the later of the two steps is the one that decides).
+    at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = visible(at), .mapped_by = step};
     if (generation_of(slot) != planned) { return {}; }
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
     const bool held   = state.claimed_in == planned;
@@ -270,10 +282,15 @@ class block_slot_store {
 
   /// @brief Undoes the claim of `slot` if step `serial` made it in its block's current generation
   /// (a discarded step).
-  void unclaim(std::uint32_t, std::int64_t, std::int64_t slot, std::uint64_t serial) noexcept
+  /// The position goes back to the mapping readers saw before the step, unless something mapped it
+  /// since (a later step, or the handle's next request: handles are reused).
+  void unclaim(std::uint32_t h, std::int64_t position, std::int64_t slot, std::uint64_t serial) noexcept
   {
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
     if (state.claimed_by_step == serial && state.claimed_in == generation_of(slot)) { state.claimed_in = 0u; }
+    if (h >= positions_.size() || position >= static_cast<std::int64_t>(positions_[h].size())) { return; }
+    position_ref& at = positions_[h][static_cast<std::size_t>(position)];
+    if (at.mapped_by == serial && at.now.slot == slot) { at = settled(at.before); }
   }
 
   /// @brief Calls `emit(dst, elems)` for the `elems` ids at `host_dst`: kernels reach the pool at
@@ -288,9 +305,9 @@ class block_slot_store {
   /// Metadata only, so it is safe while a kernel may still be writing that row.
   void erase(std::uint32_t h, std::int64_t position, std::int64_t slot)
   {
-    slot_ref& at = positions_[h][static_cast<std::size_t>(position)];
-    if (at.slot == slot && claimed(at)) { slots_[static_cast<std::size_t>(slot)].claimed_in = 0u; }
-    at = slot_ref{};
+    position_ref& at = positions_[h][static_cast<std::size_t>(position)];
+    if (at.now.slot == slot && claimed(at.now)) { slots_[static_cast<std::size_t>(slot)].claimed_in = 0u; }
+    at = position_ref{};
   }
 
   /// @brief Rows at slots are never contiguous per request.
@@ -307,8 +324,9 @@ class block_slot_store {
     const std::int64_t end = first + count;
     std::int64_t p        = first;
     while (p < end) {
-      const Index* row = p < static_cast<std::int64_t>(map.size()) ? valid_row(map[static_cast<std::size_t>(p)])
-                                                                    : nullptr;
+      const slot_ref first_ref = p < static_cast<std::int64_t>(map.size()) ? visible(map[static_cast<std::size_t>(p)])
+                                                                          : slot_ref{};
+      const Index* row         = valid_row(first_ref);
       if (row == nullptr) {
         std::fill_n(out, row_elems_, index_traits<Index>::sentinel);
         out += row_elems_;
@@ -317,8 +335,8 @@ class block_slot_store {
       }
       std::int64_t run = 1;  // extend while the next position is valid at the next slot
       while (p + run < end && p + run < static_cast<std::int64_t>(map.size())) {
-        const slot_ref& next = map[static_cast<std::size_t>(p + run)];
-        if (next.slot != map[static_cast<std::size_t>(p)].slot + run || valid_row(next) == nullptr) { break; }
+        const slot_ref next = visible(map[static_cast<std::size_t>(p + run)]);
+        if (next.slot != first_ref.slot + run || valid_row(next) == nullptr) { break; }
         ++run;
       }
       std::memcpy(out, row, static_cast<std::size_t>(run * row_elems_) * sizeof(Index));
@@ -332,7 +350,7 @@ class block_slot_store {
   {
     const auto& map = positions_[h];
     if (position >= static_cast<std::int64_t>(map.size())) { return false; }
-    const Index* row = valid_row(map[static_cast<std::size_t>(position)]);
+    const Index* row = valid_row(visible(map[static_cast<std::size_t>(position)]));
     if (row == nullptr) { return false; }
     std::memcpy(out, row, static_cast<std::size_t>(row_elems_) * sizeof(Index));
     return true;
@@ -349,9 +367,28 @@ class block_slot_store {
   };
 
   struct slot_ref {
-    std::int64_t slot       = -1;
+    std::int32_t slot        = -1;  // the pool holds at most 2^31 - 1 slots (checked when built)
     std::uint32_t generation = 0;
   };
+
+  // Where a position's row is, and, while the step that mapped it there is not filed, where readers
+  // still find it (rows are claimed when a step begins, but readers see filed steps only).
+  struct position_ref {
+    slot_ref now;                 // the slot its latest step claimed or deferred to
+    slot_ref before;              // what readers see until step `mapped_by` is filed
+    std::uint64_t mapped_by = 0;  // the step that mapped it to `now` (0: before any step)
+  };
+
+  // A mapping no unfiled step changed.
+  [[nodiscard]] static position_ref settled(slot_ref at) noexcept { return {at, slot_ref{}, 0}; }
+
+  [[nodiscard]] slot_ref ref_to(std::int64_t slot) const noexcept
+  {
+    return {static_cast<std::int32_t>(slot), generation_of(slot)};
+  }
+
+  [[nodiscard]] bool pending(const position_ref& at) const noexcept { return at.mapped_by > filed_through_; }
+  [[nodiscard]] slot_ref visible(const position_ref& at) const noexcept { return pending(at) ? at.before : at.now; }
 
   [[nodiscard]] std::size_t block_of(std::int64_t slot) const noexcept
   {
@@ -392,7 +429,7 @@ class block_slot_store {
   std::uint64_t filed_through_ = 0;             // every step up to this serial has been filed
   std::vector<slot_state> slots_;  // per slot
   std::uint32_t attempt_ = 0;
-  std::vector<std::vector<slot_ref>> positions_;
+  std::vector<std::vector<position_ref>> positions_;
 };
 
 }  // namespace routing_replay::detail
