@@ -444,27 +444,54 @@ TEST_CASE("CORE-BUG-13: a position recomputed by the open step reads as before t
 // were before the open step (step_run::recorded_before, taken when it began). Drafts accepted while
 // the step was open did not raise it: recorded_rows and extract missed the accepted positions until
 // the step was filed. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-14-draft-accepted-while-step-open).
-TEST_CASE("CORE-BUG-14: drafts accepted while a step is open count at once")
+// The first fix then counted the open step's own drafts too, accepted before their rows were filed;
+// found by the fuzzer again (tests/fuzz/core_bugs/core-bug-14b-open-steps-own-drafts-accepted).
+TEST_CASE("CORE-BUG-14: drafts accepted while a step is open count at once, unless they are its own")
 {
   using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
                                        rr::block_slot_storage>;
   small_replay<block_slot> s{rr_test::small_config()};
   s.rr().add_request(1);
-  const std::int64_t block0[]  = {0};
-  const std::int64_t slots_a[] = {0, 1};
-  rr::step_plan a;
-  a.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .num_draft_tokens = 1, .slots = slots_a});
-  a.add_fresh_blocks(block0);
-  s.step(a, 1);  // position 1 is a draft
-  CHECK(s.rr().recorded_rows(1) == 1);
-  const std::int64_t slots_b[] = {2, 3};
-  rr::step_plan b;
-  b.schedule({.id = 1, .first_position = 2, .num_tokens = 2, .slots = slots_b});
-  s.rr().begin_step(b, s.stream());
-  s.rr().accept_draft(1, 1);
-  CHECK(s.rr().recorded_rows(1) == 2);
-  CHECK(s.rr().extract(1).num_rows() == 2);
-  s.forward(2, valid_id);
-  s.end_step();
-  CHECK(s.rr().recorded_rows(1) == 4);
+  const std::int64_t block0[] = {0};
+
+  SUBCASE("an earlier step's drafts")
+  {
+    const std::int64_t slots_a[] = {0, 1};
+    rr::step_plan a;
+    a.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .num_draft_tokens = 1, .slots = slots_a});
+    a.add_fresh_blocks(block0);
+    s.step(a, 1);  // position 1 is a draft
+    CHECK(s.rr().recorded_rows(1) == 1);
+    const std::int64_t slots_b[] = {2, 3};
+    rr::step_plan b;
+    b.schedule({.id = 1, .first_position = 2, .num_tokens = 2, .slots = slots_b});
+    s.rr().begin_step(b, s.stream());
+    s.rr().accept_draft(1, 1);
+    CHECK(s.rr().recorded_rows(1) == 2);
+    CHECK(s.rr().extract(1).num_rows() == 2);
+    s.forward(2, valid_id);
+    s.end_step();
+    CHECK(s.rr().recorded_rows(1) == 4);
+  }
+
+  SUBCASE("the open step's own drafts wait for its rows")
+  {
+    const std::int64_t slots_a[] = {0, 1};
+    rr::step_plan a;
+    a.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_a});
+    a.add_fresh_blocks(block0);
+    s.step(a, 2);
+    CHECK(s.rr().recorded_rows(1) == 2);
+    const std::int64_t slots_b[] = {2, 3};
+    rr::step_plan b;
+    b.schedule({.id = 1, .first_position = 2, .num_tokens = 2, .num_draft_tokens = 1, .slots = slots_b});
+    s.rr().begin_step(b, s.stream());
+    s.rr().accept_draft(1, 1);  // position 3, not filed yet
+    CHECK(s.rr().recorded_rows(1) == 2);
+    CHECK(s.rr().extract(1).num_rows() == 2);
+    s.forward(2, valid_id);
+    s.end_step();
+    CHECK(s.rr().recorded_rows(1) == 4);
+    CHECK(s.rr().extract(1).num_rows() == 4);
+  }
 }

@@ -142,8 +142,11 @@ class host_side {
   {
     [[maybe_unused]] const auto inside = threads_.enter("accept_draft");
     const std::uint32_t h        = requests_.find(id);
-    const std::int64_t committed = filer_.accept_draft(id, h, num_accepted, requests_, planner_.ended_serial());
-    if (planner_.schedules(requests_[h])) { planner_.count_accepted_drafts(h, committed); }
+    const auto accepted   = filer_.accept_draft(id, h, num_accepted, requests_, planner_.ended_serial());
+    // the open step's own drafts wait for it like the rest of its rows
+    if (planner_.schedules(requests_[h]) && accepted.step < planner_.latest_serial()) {
+      planner_.count_accepted_drafts(h, accepted.committed_through);
+    }
   }
 
   /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any

@@ -28,6 +28,13 @@
 
 namespace routing_replay {
 
+/// @brief What accept_draft() resolved: the draft group's step, and one past the last position it
+/// committed at once (0 if none, or if that waits for the group's rows to be filed).
+struct accepted_drafts {
+  std::uint64_t step                = 0;  ///< serial of the step whose drafts these were
+  std::int64_t committed_through    = 0;  ///< one past the last position committed now
+};
+
 /// @brief Files steps into a host store (`Store`, from a host_storage policy) for rows that
 /// `Site` places: the host copies them from a staging, or a kernel already wrote them in place.
 ///
@@ -320,10 +327,8 @@ class row_filer {
 
   /// @brief Resolves the oldest pending draft group of request `h` (`id`): the first
   /// `num_accepted` drafts are committed, the rest are erased (their positions will be recomputed).
-  /// @return one past the last position this committed now (0 if none, or if that waits for the
-  /// group's rows to be filed)
   /// @throws error draft_error
-  std::int64_t accept_draft(request_key id, std::uint32_t h, std::int32_t num_accepted, request_registry& requests,
+  accepted_drafts accept_draft(request_key id, std::uint32_t h, std::int32_t num_accepted, request_registry& requests,
                             std::uint64_t ended_through)
   {
     auto& r    = requests[h];
@@ -339,17 +344,17 @@ class row_filer {
     // Rows claimed when filed: steps that have ended by now file as if when they ended, before this
     // acceptance, so they may still take the group's rows over (claim_run, take_over_draft).
     if constexpr (!claims_when_planned) { group->accepted_through = ended_through; }
-    if (!group->filed) { return 0; }  // resolved when its rows are filed (claim_run)
+    if (!group->filed) { return {group->step_serial, 0}; }  // resolved when its rows are filed (claim_run)
     for (std::int32_t d = 0; d < group->count; ++d) {
       if (d >= group->accepted && ((group->owned >> d) & 1u) != 0) {
         store_.erase(h, group->first_position + d, group->slots[static_cast<std::size_t>(d)]);
         group->owned &= ~(1u << d);
       }
     }
-    const std::int64_t committed = group->accepted > 0 ? group->first_position + group->accepted : 0;
-    r.recorded_rows              = std::max(r.recorded_rows, committed);
+    const accepted_drafts done{group->step_serial, group->accepted > 0 ? group->first_position + group->accepted : 0};
+    r.recorded_rows = std::max(r.recorded_rows, done.committed_through);
     if (group->accepted_through <= group->step_serial) { r.drafts.erase(group); }  // else kept for the steps after its own
-    return committed;
+    return done;
   }
 
   // --- block transfers (slot-indexed stores) -----------------------------------------------------
