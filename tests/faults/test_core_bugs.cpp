@@ -495,3 +495,57 @@ TEST_CASE("CORE-BUG-14: drafts accepted while a step is open count at once, unle
     CHECK(s.rr().extract(1).num_rows() == 4);
   }
 }
+
+// CORE-BUG-15: block-slot storage claims a step's slots when it begins; readers see filed steps
+// only. A claim that replaced a row another request reads through the prefix cache
+// (overwrite_recomputed_rows) hid that row while the claiming step was open: it read as missing,
+// though nothing had written the slot yet. And a reader filed only the steps it had scheduled or
+// bound before, so a later step's claim of a slot it shares read as missing until something else
+// filed that step. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-15-shared-row-replaced-by-open-step).
+TEST_CASE("CORE-BUG-15: a shared slot claimed again by a later step reads as the steps filed")
+{
+  auto config                      = rr_test::small_config();
+  config.overwrite_recomputed_rows = true;
+  const std::int64_t block2[]      = {2};
+  const std::int64_t slots_8_9[]   = {8, 9};
+  rr::step_plan first;
+  first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
+  first.add_fresh_blocks(block2);
+  rr::step_plan again;  // request 1 recomputes its prefix in place: the new rows replace the old
+  again.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
+
+  SUBCASE("while the step that replaces the row is open")
+  {
+    using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
+                                         rr::block_slot_storage>;
+    small_replay<block_slot> s{config};
+    s.rr().add_request(1);
+    s.step(first, 1);
+    const auto prefix = s.rows(1);
+    s.rr().add_request(2, {.cached_slots = slots_8_9});
+    REQUIRE(s.rows(2) == prefix);
+    s.rr().begin_step(again, s.stream());
+    CHECK(s.rows(2) == prefix);
+    s.forward(2, valid_id);
+    s.end_step();
+    const auto replaced = s.rows(2);
+    CHECK(replaced != prefix);
+    CHECK(replaced == s.rows(1));
+  }
+
+  SUBCASE("once that step has ended, before it is filed")
+  {
+    using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::async_event,
+                                         rr::block_slot_storage>;
+    small_replay<block_slot> s{config};
+    s.rr().add_request(1);
+    s.step(first, 1);
+    const auto prefix = s.rows(1);
+    s.rr().add_request(2, {.cached_slots = slots_8_9});
+    REQUIRE(s.rows(2) == prefix);
+    s.step(again, 2);           // filed by the next push, a drain or a read
+    const auto replaced = s.rows(2);  // request 2 never scheduled or bound anything of step 2
+    CHECK(replaced != prefix);
+    CHECK(replaced == s.rows(1));
+  }
+}

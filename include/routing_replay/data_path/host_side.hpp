@@ -22,6 +22,7 @@
 #include <routing_replay/routed_experts.hpp>
 #include <routing_replay/step_plan.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -152,7 +153,8 @@ class host_side {
   /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any
   /// live request may be extracted (rows of an open step are not included).
   ///
-  /// First files the steps still in flight that the request's rows depend on, and no later ones.
+  /// First files the steps still in flight that the request's rows depend on, and no later ones
+  /// (with block-slot storage, every step that has ended: slots are shared).
   /// Per-request storage returns a zero-copy view (valid until the next begin_step or release of
   /// the request) unless include_dense_layers; block-slot storage gathers a copy. Missing or stale
   /// rows hold the sentinel.
@@ -275,12 +277,26 @@ class host_side {
  private:
   [[nodiscard]] Derived& derived() noexcept { return static_cast<Derived&>(*this); }
 
+  // The last step whose rows reading request `h` must see filed. Per-request rows are written by
+  // the request's own steps only. Slots are shared through the prefix cache, and any ended step may
+  // have claimed one this request reads (a recompute that replaces its row, or the first row of a
+  // slot it bound empty), so all of them are filed (CORE-BUG-15); the open step's claims read as
+  // before it (block_slot_store::valid_row).
+  [[nodiscard]] std::uint64_t rows_read_through(std::uint32_t h) const noexcept
+  {
+    if constexpr (Store::slot_indexed) {
+      return std::max(requests_[h].reads_step, planner_.ended_serial());
+    } else {
+      return requests_[h].reads_step;
+    }
+  }
+
   // The rows an extraction returns: the request's handle and positions [begin, end).
   struct row_selection { std::uint32_t handle; std::int64_t begin, end; };
   [[nodiscard]] row_selection select_rows(request_key id, const extract_options& options)
   {
-    const std::uint32_t h   = requests_.find(id);
-    derived().file_through(requests_[h].reads_step);  // what the request's rows may still wait for
+    const std::uint32_t h = requests_.find(id);
+    derived().file_through(rows_read_through(h));
     const auto [begin, end] = reader_.extraction_range(id, h, options, requests_, planner_.open_step());
     return {h, begin, end};
   }

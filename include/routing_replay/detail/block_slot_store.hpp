@@ -124,18 +124,18 @@ class block_slot_store {
     }
     check_slot_range(slots);
     for (const std::int64_t slot : slots) {
-      auto& stamp = slots_[static_cast<std::size_t>(slot)].stamp;
-      if (stamp == attempt_) {
+      slot_state& state = slots_[static_cast<std::size_t>(slot)];
+      if (state.stamp == attempt_) {
         throw error{errc::slot_out_of_range, "slot " + std::to_string(slot) + " is used twice in one step"};
       }
-      stamp = attempt_;
+      state.stamp = attempt_;
     }
   }
 
   /// @brief Starts a validation pass of a step plan (for duplicate-slot detection).
   void begin_validation()
   {
-    if (++attempt_ == 0) {  // wrapped: old stamps could collide with new passes
+    if (++attempt_ == stamp_limit) {  // wrapped: old stamps could collide with new passes
       for (auto& state : slots_) { state.stamp = 0u; }
       attempt_ = 1;
     }
@@ -264,6 +264,7 @@ class block_slot_store {
     const std::uint64_t replaced = held ? state.claimed_by_step : row_claim<Index>::no_claim;
     state.claimed_in             = planned;
     state.claimed_by_step        = step;
+    state.replaced_row           = held ? 1u : 0u;
     if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
     return {row_at(slot), nullptr, replaced};
   }
@@ -363,8 +364,12 @@ class block_slot_store {
   struct slot_state {
     std::uint64_t claimed_by_step = 0;  // the step that claimed its row (0: imported, or none)
     std::uint32_t claimed_in      = 0;  // the block generation its row was claimed in (0: none)
-    std::uint32_t stamp           = 0;  // the validation pass that last saw it in a plan
+    std::uint32_t stamp : 31      = 0;  // the validation pass that last saw it in a plan
+    // The claim replaced a row claimed in the same generation (overwrite_recomputed_rows): until
+    // the claiming step is filed, that row is still there and readers see it.
+    std::uint32_t replaced_row : 1 = 0;
   };
+  static constexpr std::uint32_t stamp_limit = 1u << 31;
 
   struct slot_ref {
     std::int32_t slot        = -1;  // the pool holds at most 2^31 - 1 slots (checked when built)
@@ -405,13 +410,18 @@ class block_slot_store {
            slots_[static_cast<std::size_t>(at.slot)].claimed_in == at.generation;
   }
 
+  /// @brief Whether readers see a routing row at a claimed slot: its claiming step has been filed,
+  /// or that step is still unfiled but replaced a row of the same generation, which is still there.
+  /// Readers file every ended step first (host_side::rows_read_through), so an unfiled claim is the
+  /// open step's: nothing has written its rows yet (CORE-BUG-15).
   [[nodiscard]] bool landed(std::int64_t slot) const noexcept
   {
-    return slots_[static_cast<std::size_t>(slot)].claimed_by_step <= filed_through_;
+    const slot_state& state = slots_[static_cast<std::size_t>(slot)];
+    return state.claimed_by_step <= filed_through_ || state.replaced_row != 0;
   }
 
-  /// @brief The row a reference points to if it is claimed, its step has been filed (readers file
-  /// what they depend on first; the open step's rows are not readable yet) and it holds routing.
+  /// @brief The row a reference points to if it is claimed, readers may see it (landed()) and it
+  /// holds routing.
   [[nodiscard]] const Index* valid_row(const slot_ref& at) const noexcept
   {
     if (!claimed(at) || !landed(at.slot)) { return nullptr; }
