@@ -27,11 +27,21 @@ using rr_test::small_replay;
 namespace {
 
 using faulty_host = rr_test::faulty_backend<rr::host_backend>;
-using host_sync   = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::sync_copy, rr::per_request_storage>;
+using host_sync       = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::sync_copy, rr::per_request_storage>;
+using host_block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy, rr::block_slot_storage>;
 using faulty_sync = rr::RoutingReplay<faulty_host, std::int16_t, rr::layer_major, rr::sync_copy, rr::per_request_storage>;
 using faulty_async = rr::RoutingReplay<faulty_host, std::int16_t, rr::layer_major, rr::async_event, rr::per_request_storage>;
 
 std::int64_t valid_id(std::int32_t, std::int64_t, std::int32_t) { return 3; }
+
+// Ends the open step, `rows` rows, with a layer left unwritten: the step (`step`, "step N" as its
+// error names it) is discarded.
+template <class Replay>
+void end_discarded(small_replay<Replay>& s, std::int32_t rows, const char* step)
+{
+  s.forward(rows, valid_id, /*skip_slot=*/1);
+  expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {step});
+}
 
 // Fails the `occurrence`-th backend operation named `op` from here on, then stops.
 struct fail_backend_op {
@@ -116,9 +126,7 @@ TEST_CASE("CORE-BUG-9: a record outside the buffer in an empty step is reported 
 // before the error is lost. Found by the fuzzer (tests/fuzz/core_bugs/).
 TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have replaced")
 {
-  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
-                                       rr::block_slot_storage>;
-  small_replay<block_slot> s{rr_test::small_config(/*overwrite_recomputed_rows=*/true)};
+  small_replay<host_block_slot> s{rr_test::small_config(/*overwrite_recomputed_rows=*/true)};
   std::vector<std::int64_t> slots;
   s.rr().add_request(1);
   auto first = plan_for(1, 0, 2, slots);
@@ -127,8 +135,7 @@ TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have r
   s.step(first, 1);
   const auto before = s.rows(1);
   s.rr().begin_step(plan_for(1, 0, 1, slots), s.stream());  // recompute position 0 at its slot
-  s.forward(1, valid_id, /*skip_slot=*/1);                   // a layer left unwritten
-  expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"step 2"});
+  end_discarded(s, 1, "step 2");
   CHECK(s.rows(1) == before);
 }
 
@@ -139,9 +146,7 @@ TEST_CASE("CORE-BUG-10: a discarded step does not erase the rows it would have r
 // before the step. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-12-discard-after-abort-drops-slot-row).
 TEST_CASE("CORE-BUG-12: a step discarded after its request was aborted leaves the slot rows stored before it")
 {
-  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
-                                       rr::block_slot_storage>;
-  small_replay<block_slot> s{rr_test::small_config()};
+  small_replay<host_block_slot> s{rr_test::small_config()};
   s.rr().add_request(1);
   const std::int64_t slots_a[] = {0, 1};
   const std::int64_t block0[]  = {0};
@@ -157,8 +162,7 @@ TEST_CASE("CORE-BUG-12: a step discarded after its request was aborted leaves th
   b.schedule({.id = 1, .first_position = 1, .num_tokens = 1, .slots = slots_b});  // takes the draft row over
   s.rr().begin_step(b, s.stream());
   s.rr().abort(1);
-  s.forward(1, valid_id, /*skip_slot=*/1);  // a layer left unwritten: the step is discarded
-  expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"step 2"});
+  end_discarded(s, 1, "step 2");
   std::vector<std::int16_t> after(before.size());
   s.rr().export_blocks(blocks, after);
   CHECK(after == before);
@@ -370,25 +374,24 @@ TEST_CASE("CORE-BUG-7: destroying the object waits for its work on the engine's 
 // by the fuzzer (tests/fuzz/core_bugs/core-bug-13-recompute-into-held-slot-read-while-open).
 TEST_CASE("CORE-BUG-13: a position recomputed by the open step reads as before the step until it is filed")
 {
-  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
-                                       rr::block_slot_storage>;
   const std::int64_t block2[] = {2};
   const std::int64_t block3[] = {3};
   const std::int64_t slots_8_9[]   = {8, 9};
   const std::int64_t slots_12_13[] = {12, 13};
 
+  small_replay<host_block_slot> s{rr_test::small_config()};
+  s.rr().add_request(1);
+  rr::step_plan first;
+  first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
+  first.add_fresh_blocks(block2);
+  s.step(first, 1);
+  const auto before = s.rows(1);
+  rr::step_plan again;  // request 1's positions recomputed into a fresh block
+  again.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
+  again.add_fresh_blocks(block3);
+
   SUBCASE("recomputed into fresh blocks (preemption)")
   {
-    small_replay<block_slot> s{rr_test::small_config()};
-    s.rr().add_request(1);
-    rr::step_plan first;
-    first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
-    first.add_fresh_blocks(block2);
-    s.step(first, 1);
-    const auto before = s.rows(1);
-    rr::step_plan again;
-    again.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
-    again.add_fresh_blocks(block3);
     s.rr().begin_step(again, s.stream());
     CHECK(s.rows(1) == before);
     s.forward(2, valid_id);
@@ -398,24 +401,17 @@ TEST_CASE("CORE-BUG-13: a position recomputed by the open step reads as before t
 
   SUBCASE("recomputed into a slot another request filled")
   {
-    small_replay<block_slot> s{rr_test::small_config()};
-    s.rr().add_request(1);
-    rr::step_plan first;
-    first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
-    first.add_fresh_blocks(block2);
-    s.step(first, 1);
     s.rr().add_request(2);
     rr::step_plan other;
     other.schedule({.id = 2, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
     other.add_fresh_blocks(block3);
     s.step(other, 2);
-    const auto prefix = s.rows(1);
     s.rr().add_request(3, {.cached_slots = slots_8_9});  // request 1's prefix
-    REQUIRE(s.rows(3) == prefix);
+    REQUIRE(s.rows(3) == before);
     rr::step_plan recompute;
     recompute.schedule({.id = 3, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
     s.rr().begin_step(recompute, s.stream());  // request 2's rows stay there (first write wins)
-    CHECK(s.rows(3) == prefix);
+    CHECK(s.rows(3) == before);
     s.forward(2, valid_id);
     s.end_step();
     CHECK(s.rows(3) == s.rows(2));  // filed: the position now maps to the slot's row
@@ -423,19 +419,8 @@ TEST_CASE("CORE-BUG-13: a position recomputed by the open step reads as before t
 
   SUBCASE("a discarded recompute leaves the mapping as it was")
   {
-    small_replay<block_slot> s{rr_test::small_config()};
-    s.rr().add_request(1);
-    rr::step_plan first;
-    first.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_8_9});
-    first.add_fresh_blocks(block2);
-    s.step(first, 1);
-    const auto before = s.rows(1);
-    rr::step_plan again;
-    again.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .slots = slots_12_13});
-    again.add_fresh_blocks(block3);
     s.rr().begin_step(again, s.stream());
-    s.forward(2, valid_id, /*skip_slot=*/1);  // a layer left unwritten: the step is discarded
-    expect_error([&] { s.end_step(); }, rr::errc::missing_routing, {"step 2"});
+    end_discarded(s, 2, "step 2");
     CHECK(s.rows(1) == before);
   }
 }
@@ -445,12 +430,10 @@ TEST_CASE("CORE-BUG-13: a position recomputed by the open step reads as before t
 // the step was open did not raise it: recorded_rows and extract missed the accepted positions until
 // the step was filed. Found by the fuzzer (tests/fuzz/core_bugs/core-bug-14-draft-accepted-while-step-open).
 // The first fix then counted the open step's own drafts too, accepted before their rows were filed;
-// found by the fuzzer again (tests/fuzz/core_bugs/core-bug-14b-open-steps-own-drafts-accepted).
+// found by the fuzzer again (that input was not kept; the second subcase reproduces it).
 TEST_CASE("CORE-BUG-14: drafts accepted while a step is open count at once, unless they are its own")
 {
-  using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
-                                       rr::block_slot_storage>;
-  small_replay<block_slot> s{rr_test::small_config()};
+  small_replay<host_block_slot> s{rr_test::small_config()};
   s.rr().add_request(1);
   const std::int64_t block0[] = {0};
 
@@ -516,9 +499,7 @@ TEST_CASE("CORE-BUG-15: a shared slot claimed again by a later step reads as the
 
   SUBCASE("while the step that replaces the row is open")
   {
-    using block_slot = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::token_major, rr::sync_copy,
-                                         rr::block_slot_storage>;
-    small_replay<block_slot> s{config};
+    small_replay<host_block_slot> s{config};
     s.rr().add_request(1);
     s.step(first, 1);
     const auto prefix = s.rows(1);
