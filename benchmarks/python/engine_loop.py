@@ -12,6 +12,12 @@ its two Python faces, in the scenarios of the C++ engine loop (benchmarks/engine
                (StepPlan.schedule_handles), begin_step before the forward, end_step after it
   api=dropin   routing_replay.capturer.RoutedExpertsCapturer (vLLM PR 39917's interface): capture()
                in the forward, sync_fwd_experts_buffer_DtoH(positions, {id: tokens}) after it
+  api=none     the same forward with no capture and no library call: the step the others add to
+  api=launch_floor  Replay's steps, but each capture() replaced by the cheapest call that launches a
+               kernel: one native call with every argument precomputed, writing the step's rows
+               from a zero array (CUDA only; its rows are not the forward's, so `correct` is
+               null). What a step pays for 48 launches from Python in this loop, cold caches
+               included: the floor under capture_us and under the step time capture adds
 
 Each step the device is drained before each timed host call, as ../shared/peers/engine_loop_vs_peer.py
 does, so the figures are host time alone (host backend: its compute stream synchronized, then 1 ms
@@ -23,7 +29,7 @@ for its copy stream's worker). Prints one JSON line per (api, mode, scenario):
   capture_us                  capture() host time per call (median over the step's 48 layers)
   step_us                     whole step wall time: plan, forward, library (the side-by-side
                               with the peer, ../shared/peers/engine_loop_vs_peer.py, gives the
-                              time capture adds to a step)
+                              time capture adds to a step; here, step_us less api=none's)
   extract_us                  extraction per finished request (drop-in: finalize + get_routed_experts)
   correct                     every request's [T, L, K] equals the ids its forward produced
 
@@ -238,6 +244,57 @@ class DropInDriver:
         return arr, (time.perf_counter() - x0) * 1e6
 
 
+class NoCaptureDriver:
+    """The forward alone: no library call at all (the baseline of the step time others add)."""
+
+    api = "none"
+    capture = None
+    replay = None
+
+    def __init__(self, device):
+        pass
+
+    def before(self, sched, sync):
+        return 0.0, 0.0
+
+    def after(self, sched, positions=None):
+        return 0.0
+
+    def extract(self, r, length):
+        return None, 0.0
+
+
+class LaunchFloorDriver(ReplayDriver):
+    """Replay's steps with capture() replaced by the floor of a launch from Python: one native call,
+    arguments precomputed, one kernel writing the step's rows (zeros: every row must be written, or
+    end_step rejects the step as it would a forward that skipped a layer)."""
+
+    api = "launch_floor"
+
+    def __init__(self, device):
+        super().__init__(device)
+        import torch
+
+        from routing_replay import _arrays
+
+        self.zeros = torch.zeros((NMAX, K), dtype=torch.int64, device=device)
+        self.rows = [0]  # the step's token count, set before the forward
+        native, ptr, code = self.replay._native, self.zeros.data_ptr(), _arrays.DTYPE_CODES["int64"]
+        current, index, rows = torch._C._cuda_getCurrentRawStream, self.zeros.get_device(), self.rows
+
+        def floor(layer, ids):  # on the current stream, as capture() (graphs record on their own)
+            native.capture(layer, ptr, code, rows[0], K, current(index))
+
+        self.capture = floor
+
+    def before(self, sched, sync):
+        self.rows[0] = sum(t for (_, _, t) in sched)
+        return super().before(sched, sync)
+
+
+DRIVERS = {"replay": ReplayDriver, "dropin": DropInDriver, "none": NoCaptureDriver, "launch_floor": LaunchFloorDriver}
+
+
 def run(api, mode, name, steps, warm, cuda):
     device = "cuda" if cuda else "cpu"
     fwd = Forward(cuda)
@@ -246,15 +303,18 @@ def run(api, mode, name, steps, warm, cuda):
         import torch
 
         sync = torch.cuda.synchronize
-    drv = ReplayDriver(device) if api == "replay" else DropInDriver(device)
+    if api == "launch_floor" and not cuda:
+        raise SystemExit("api=launch_floor needs CUDA")
+    drv = DRIVERS[api](device)
     if not cuda:
-        stream = drv.replay.default_stream
+        stream = drv.replay.default_stream if drv.replay is not None else None
 
         def sync():
             # the host backend's "device" is worker threads: the compute stream, and the replay's copy
             # stream, which Python cannot reach; a millisecond lets its copy or scatter finish, so the
             # timed call runs alone on the cores, as it does on a GPU machine
-            stream.synchronize()
+            if stream is not None:
+                stream.synchronize()
             time.sleep(0.001)
     graphs = {}
 
@@ -273,7 +333,10 @@ def run(api, mode, name, steps, warm, cuda):
                 fwd.run(n, capture)
             graphs[n] = g
             torch.cuda.synchronize()
-            drv.replay.reset_device_buffer() if api == "replay" else drv.cap.reset_device_buffer()
+            if api in ("replay", "launch_floor"):
+                drv.replay.reset_device_buffer()
+            elif api == "dropin":
+                drv.cap.reset_device_buffer()
             torch.cuda.synchronize()
         graphs[n].replay()
         return []
@@ -288,7 +351,7 @@ def run(api, mode, name, steps, warm, cuda):
         t0 = time.perf_counter()
         times = forward(n, drv.capture) if (graph and si >= warm) else fwd.run(n, drv.capture)
         sync()
-        if api == "replay":
+        if api in ("replay", "launch_floor"):
             eu = drv.after(sched)
         else:
             eu = drv.after(sched, fwd.positions[:n])
@@ -304,21 +367,22 @@ def run(api, mode, name, steps, warm, cuda):
         for (r, p, t) in sched:
             done[r] = p + t
     sync()
-    ok, xs = True, []
-    for r, length in done.items():
+    ok, xs = (True if api in ("replay", "dropin") else None), []
+    for r, length in (done.items() if ok else ()):
         arr, x = drv.extract(r, length)
         xs.append(x)
         ok = ok and arr is not None and arr.shape == (length, L, K) and np.array_equal(arr.astype(np.int64),
                                                                                         expected(r, length))
-    host = med(host_t)
+    host = med(host_t) if api != "none" else None
     out = dict(bench="python_engine_loop", api=api, device=device, mode=mode, scenario=name,
                index=ARGS.index, layout=ARGS.layout, copy=ARGS.copy,
-               storage=ARGS.storage if api == "replay" else "per_request",
-               plan=("handles" if getattr(drv, "columnar", False) else "per_request") if api == "replay" else "dict",
+               storage=ARGS.storage if api in ("replay", "launch_floor") else ("per_request" if api == "dropin" else None),
+               plan=(("handles" if getattr(drv, "columnar", False) else "per_request") if api in ("replay", "launch_floor")
+                     else ("dict" if api == "dropin" else None)),
                host_memory_ahead=ARGS.host_memory_ahead, requests=med(reqs), host_us=host, per_request_ns=round(1e3 * host / med(reqs), 1) if host else None,
                capture_us=med([t * 1e6 for t in cap_t]) if cap_t else None, step_us=med(step_t),
                extract_us=med(xs), correct=ok, steps=len(host_t))
-    if api == "replay":
+    if api in ("replay", "launch_floor"):
         out.update(plan_us=med(plan_t), begin_us=med(begin_t), end_us=med(end_t))
     return out
 

@@ -7,7 +7,7 @@ import sys
 
 def line(r: dict) -> str | None:
     if r.get("bench") == "python_engine_loop":
-        return (f"{r['api']:6} {r['mode']:5} {r['scenario']:12} host {r['host_us']:>8} us "
+        return (f"{r['api']:12} {r['mode']:5} {r['scenario']:12} step {r.get('step_us')} us  host {r['host_us']} us "
                 f"({r['per_request_ns']} ns/request)  plan {r.get('plan_us')} begin {r.get('begin_us')} "
                 f"end {r.get('end_us')}  capture {r['capture_us']} us  extract {r['extract_us']} us  "
                 f"correct {r['correct']}")
