@@ -5,7 +5,8 @@
 # replay and the drop-in. Each line carries its round; a round is not started past ROUND_BUDGET_S
 # seconds so the lease's 10 minutes are not overrun.
 # Usage (repository root): OUT=... benchmarks/results/h200-2026-11-25-floors/run_gpu.sh [rounds]
-# (FLOORS_PROBE=0 skips the probe; ROUND_BUDGET_S, default 330)
+# (FLOORS_PROBE=0 skips the probe; ROUND_BUDGET_S, default 330; FLOORS_SCENARIOS: engine_loop.py's
+# --scenarios)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/../../.."
@@ -38,7 +39,7 @@ for round in $(seq "${1:-3}"); do
   PYTHONPATH="$site" python3 .peers/engine_loop_vs_peer.py --copy device_scatter 2>>"$out/errors.log" |
     tag "$round" >>"$out/peer_side_by_side_device_scatter_rounds.jsonl"
   PYTHONPATH="$site" python3 benchmarks/python/engine_loop.py --api none,replay,dropin,launch_floor \
-    --modes eager,graph --scenarios decode_B1,decode_B64,decode_B256,decode_B1024,prefill_8k 2>>"$out/errors.log" |
+    --modes eager,graph --scenarios "${FLOORS_SCENARIOS:-decode_B1,decode_B64,decode_B256,decode_B1024,prefill_8k}" 2>>"$out/errors.log" |
     tag "$round" >>"$out/python_engine_loop_rounds.jsonl"
 done
 python3 benchmarks/python/summarize.py "$out/python_engine_loop_rounds.jsonl" | tail -n 40
