@@ -293,7 +293,9 @@ class Replay:
         self._id = next(_replay_ids)
         _live[self._id] = self
         self._torch_op, self._compiling = _torch_capture_op()
-        self._tensor_type = _arrays.torch_tensor_type()
+        self._hot, self._hot_staged = _arrays.never_hot, _arrays.never_hot
+        if self._torch_op is not None:
+            self._build_hot_paths()
 
     # ---- shape and accounting ------------------------------------------------------------------
 
@@ -547,9 +549,10 @@ class Replay:
         map from physical (EPLB) to logical expert ids. On the host backend the ids are read during
         the call, so the array may be reused at once.
         """
-        if (num_tokens is None and stream is None and row_offset == 0 and physical_to_logical is None
-                and self._hot_capture(layer, topk_ids, False)):
-            return
+        if num_tokens is None and stream is None and row_offset == 0 and physical_to_logical is None:
+            # eager forwards: one native call, one kernel
+            if self._hot(layer, topk_ids) or (self._on_host and self._capture_numpy(layer, topk_ids, False)):
+                return
         if self._torch_op is None and _arrays.is_torch_tensor(topk_ids):  # torch was imported after __init__
             self._torch_arrived()
         if self._torch_op is not None and self._compiling():
@@ -561,31 +564,28 @@ class Replay:
         self._capture_now(layer, topk_ids, num_tokens, stream, row_offset, physical_to_logical)
 
     def _torch_arrived(self) -> None:
-        """torch was imported after this replay was built: its op, tensor type and streams."""
+        """torch was imported after this replay was built: its op, streams and hot paths."""
         self._torch_op, self._compiling = _torch_capture_op()
-        self._tensor_type = _arrays.torch_tensor_type()
         if not self._on_host:
             self._current_stream = _arrays.current_stream_reader(self._native.device)
+        self._build_hot_paths()
 
-    def _hot_capture(self, layer: int, topk_ids, staged: bool) -> bool:
-        """capture() of a whole array on the current stream, the call eager forwards make 48 times a
-        step: a plain torch tensor on this replay's device (its geometry read directly, no DLPack, no
-        stream object) or, on the host backend, a numpy array; one native call, one kernel. False
-        for anything else (the general path then describes, checks and reports it)."""
-        if type(topk_ids) is self._tensor_type:
-            if self._compiling():  # torch.compile traces capture(): the custom op, not a raw pointer
-                return False
-            source = _arrays.torch_source(topk_ids, self._device_index, self._top_k)
-            if source is None:
-                return False
-            if staged:
-                self._native.stage_capture(layer, *source, self._current_stream())
-            else:
-                self._native.capture(layer, *source, self._current_stream())
-            return True
-        if self._on_host and type(topk_ids) is np.ndarray:
-            return self._native.capture_array(layer, topk_ids, self._current_stream(), staged)
-        return False
+    def _build_hot_paths(self) -> None:
+        """capture()'s hot path (and the drop-in's staged one) for torch tensors: the eager forward's
+        48 calls a step, each one native call and one kernel (_arrays.torch_hot_capture)."""
+        if self._on_host:
+            default_handle = self._current_stream()
+            read_stream, key = (lambda _: default_handle), None
+        else:
+            read_stream, key = _arrays.raw_stream_reader(self._native.device)
+        native, index, k, compiling = self._native, self._device_index, self._top_k, self._compiling
+        self._hot = _arrays.torch_hot_capture(native.capture, index, k, read_stream, key, compiling)
+        self._hot_staged = _arrays.torch_hot_capture(native.stage_capture, index, k, read_stream, key, compiling)
+
+    def _capture_numpy(self, layer: int, ids, staged: bool) -> bool:
+        """The host backend's hot path: a plain 2-D integer numpy array, read natively without
+        describing it; False for anything else (the general path describes, checks and reports it)."""
+        return type(ids) is np.ndarray and self._native.capture_array(layer, ids, self._current_stream(), staged)
 
     def capture_pointer(self, layer: int, data: int, dtype: str, num_tokens: int, row_stride: int, stream=None,
                         *, physical_to_logical: int = 0, num_physical_experts: int = 0) -> None:

@@ -106,38 +106,44 @@ def _dlpack(a) -> IdArray:
     return IdArray(ptr, code, rows, cols, stride, device, device_id, a)
 
 
-class _NoTensorType:
-    """Stands for torch.Tensor where torch is not imported: no array is of this type."""
+def torch_hot_capture(launch, device_index: int, top_k: int, read_stream, stream_key, is_compiling):
+    """capture()'s hot path for torch tensors, as one flat function ``hot(layer, t) -> bool``.
+
+    A plain 2-D integer tensor on device `device_index` (-1: the CPU) whose rows hold at least `top_k`
+    contiguous ids goes to ``launch(layer, pointer, dtype code, rows, row stride, stream)``, with the
+    stream ``read_stream(stream_key)`` (torch's current raw stream of the device, no stream object);
+    anything else, or a call while torch.compile traces, returns False for the general path, which
+    describes, checks and reports it. Flat on purpose: every value it needs is a closure constant and
+    a call is five reads of the tensor and one native call, where method layers, an argument tuple
+    and a stream closure cost about a microsecond more (docs/performance.md 9.10). Needs torch
+    imported."""
+    torch = sys.modules["torch"]
+    tensor_type = torch.Tensor
+    codes = {}
+    for name, code in DTYPE_CODES.items():
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            codes[dtype] = code
+
+    def hot(layer: int, t) -> bool:
+        if type(t) is not tensor_type or is_compiling():  # torch.compile traces the custom op instead
+            return False
+        code = codes.get(t.dtype)
+        shape = t.shape
+        if code is None or len(shape) != 2 or shape[1] < top_k or t.get_device() != device_index:
+            return False
+        row_stride, col_stride = t.stride()
+        if col_stride != 1 or (row_stride < shape[1] and shape[0] > 1):
+            return False
+        launch(layer, t.data_ptr(), code, shape[0], max(row_stride, shape[1]), read_stream(stream_key))
+        return True
+
+    return hot
 
 
-def torch_tensor_type() -> type:
-    """torch.Tensor when torch is imported (not importing it), else a type no array has."""
-    torch = sys.modules.get("torch")
-    return torch.Tensor if torch is not None else _NoTensorType
-
-
-#: torch dtype -> native dtype code, for the integer dtypes met so far (filled by torch_source).
-_TORCH_CODES: dict[Any, int] = {}
-
-
-def torch_source(t, device_index: int, top_k: int) -> tuple[int, int, int, int] | None:
-    """(pointer, dtype code, rows, row stride) of a 2-D integer tensor on CUDA device `device_index`
-    (-1: the CPU) whose rows hold at least `top_k` contiguous ids; None for any other tensor, which
-    the general path then describes and, if it is wrong, reports. Reads the tensor's own attributes:
-    no DLPack capsule, no ``__cuda_array_interface__`` dict."""
-    code = _TORCH_CODES.get(t.dtype)
-    if code is None:
-        code = DTYPE_CODES.get(str(t.dtype).rsplit(".", 1)[-1])
-        if code is None:
-            return None
-        _TORCH_CODES[t.dtype] = code
-    shape = t.shape
-    if len(shape) != 2 or shape[1] < top_k or t.get_device() != device_index:
-        return None
-    row_stride, col_stride = t.stride()
-    if col_stride != 1 or (row_stride < shape[1] and shape[0] > 1):
-        return None
-    return t.data_ptr(), code, shape[0], max(row_stride, shape[1])
+def never_hot(layer: int, array) -> bool:
+    """The hot path before torch is imported: no array takes it."""
+    return False
 
 
 def current_stream_reader(device_index: int):
@@ -160,6 +166,17 @@ def current_stream_reader(device_index: int):
         return raw(device_index)
 
     return current
+
+
+def raw_stream_reader(device_index: int):
+    """(function, argument) whose call gives the current CUDA stream of `device_index` as a
+    cudaStream_t int, for a caller that holds a tensor on that device (so torch's CUDA state exists):
+    torch's raw-stream reader where torch has one, else cuda_stream_handle(None)."""
+    torch = sys.modules.get("torch")
+    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None) if torch is not None else None
+    if raw is None:
+        return (lambda _: cuda_stream_handle(None)), None
+    return raw, device_index
 
 
 def is_torch_tensor(a) -> bool:

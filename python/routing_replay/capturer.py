@@ -105,6 +105,8 @@ class RoutedExpertsCapturer:
         self._id = next(_replay_ids)
         _live[self._id] = self
         self._torch_op, self._compiling = _torch_capture_op(import_torch=True)  # its callers are torch engines
+        if self._torch_op is not None and self._replay._hot_staged is _arrays.never_hot:
+            self._replay._torch_arrived()  # torch was imported just now: the replay's hot paths too
 
     @property
     def replay(self) -> Replay:
@@ -116,7 +118,10 @@ class RoutedExpertsCapturer:
     def capture(self, layer_id: int, topk_ids) -> None:
         """Records one layer's router output ``topk_ids`` ``[n, K (+shared)]``, any integer dtype,
         on the current stream: one small kernel, safe inside CUDA graphs and ``torch.compile``."""
-        if self._replay._hot_capture(layer_id, topk_ids, True):  # eager forwards: one native call, one kernel
+        replay = self._replay
+        if replay._hot_staged(layer_id, topk_ids):  # eager forwards: one native call, one kernel
+            return
+        if replay._on_host and replay._capture_numpy(layer_id, topk_ids, True):
             return
         if self._torch_op is None and _arrays.is_torch_tensor(topk_ids):
             self._torch_op, self._compiling = _torch_capture_op()
