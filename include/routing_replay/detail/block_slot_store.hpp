@@ -177,15 +177,9 @@ class block_slot_store {
   /// for undo_reserve() to take back).
   bool reserve(std::uint32_t h, std::int64_t rows, bool)
   {
-    auto& map    = positions_[h];
-    const auto n = static_cast<std::size_t>(rows);
-    if (map.size() < n) {
-      // Entries are built in place: resize(n, value) copies a stack temporary that was just written
-      // field by field, and its wide reload cannot be forwarded from those narrow stores. That
-      // stall, once per request of every decode step, was about a quarter of block-slot begin_step's cost
-      // above the floor of its memory accesses (performance.md 9.10).
-      if (map.capacity() < n) { map.reserve(std::max(n, 2 * map.capacity())); }
-      while (map.size() < n) { map.emplace_back(); }
+    auto& map = positions_[h];
+    if (static_cast<std::int64_t>(map.size()) < rows) {
+      map.resize(static_cast<std::size_t>(rows), position_ref{});
     }
     return false;
   }
