@@ -306,6 +306,7 @@ def run(api, mode, name, steps, warm, cuda):
     if api == "launch_floor" and not cuda:
         raise SystemExit("api=launch_floor needs CUDA")
     drv = DRIVERS[api](device)
+    replay_steps = isinstance(drv, ReplayDriver)  # plan, begin_step, end_step (replay, launch_floor)
     if not cuda:
         stream = drv.replay.default_stream if drv.replay is not None else None
 
@@ -333,7 +334,7 @@ def run(api, mode, name, steps, warm, cuda):
                 fwd.run(n, capture)
             graphs[n] = g
             torch.cuda.synchronize()
-            if api in ("replay", "launch_floor"):
+            if replay_steps:
                 drv.replay.reset_device_buffer()
             elif api == "dropin":
                 drv.cap.reset_device_buffer()
@@ -351,7 +352,7 @@ def run(api, mode, name, steps, warm, cuda):
         t0 = time.perf_counter()
         times = forward(n, drv.capture) if (graph and si >= warm) else fwd.run(n, drv.capture)
         sync()
-        if api in ("replay", "launch_floor"):
+        if replay_steps:
             eu = drv.after(sched)
         else:
             eu = drv.after(sched, fwd.positions[:n])
@@ -376,13 +377,13 @@ def run(api, mode, name, steps, warm, cuda):
     host = med(host_t) if api != "none" else None
     out = dict(bench="python_engine_loop", api=api, device=device, mode=mode, scenario=name,
                index=ARGS.index, layout=ARGS.layout, copy=ARGS.copy,
-               storage=ARGS.storage if api in ("replay", "launch_floor") else ("per_request" if api == "dropin" else None),
-               plan=(("handles" if getattr(drv, "columnar", False) else "per_request") if api in ("replay", "launch_floor")
+               storage=ARGS.storage if replay_steps else ("per_request" if api == "dropin" else None),
+               plan=(("handles" if drv.columnar else "per_request") if replay_steps
                      else ("dict" if api == "dropin" else None)),
                host_memory_ahead=ARGS.host_memory_ahead, requests=med(reqs), host_us=host, per_request_ns=round(1e3 * host / med(reqs), 1) if host else None,
                capture_us=med([t * 1e6 for t in cap_t]) if cap_t else None, step_us=med(step_t),
                extract_us=med(xs), correct=ok, steps=len(host_t))
-    if api in ("replay", "launch_floor"):
+    if replay_steps:
         out.update(plan_us=med(plan_t), begin_us=med(begin_t), end_us=med(end_t))
     return out
 

@@ -14,6 +14,7 @@ replay's own default stream.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, NamedTuple
 
@@ -106,6 +107,14 @@ def _dlpack(a) -> IdArray:
     return IdArray(ptr, code, rows, cols, stride, device, device_id, a)
 
 
+@functools.cache
+def _torch_dtype_codes() -> dict[Any, int]:
+    """torch dtype -> native dtype code, for every dtype the core takes that torch has."""
+    torch = sys.modules["torch"]
+    dtypes = ((getattr(torch, name, None), code) for name, code in DTYPE_CODES.items())
+    return {dtype: code for dtype, code in dtypes if isinstance(dtype, torch.dtype)}
+
+
 def torch_hot_capture(launch, device_index: int, top_k: int, read_stream, stream_key, is_compiling):
     """capture()'s hot path for torch tensors, as one flat function ``hot(layer, t) -> bool``.
 
@@ -117,13 +126,8 @@ def torch_hot_capture(launch, device_index: int, top_k: int, read_stream, stream
     a call is five reads of the tensor and one native call, where method layers, an argument tuple
     and a stream closure cost about a microsecond more (docs/performance.md 9.10). Needs torch
     imported."""
-    torch = sys.modules["torch"]
-    tensor_type = torch.Tensor
-    codes = {}
-    for name, code in DTYPE_CODES.items():
-        dtype = getattr(torch, name, None)
-        if isinstance(dtype, torch.dtype):
-            codes[dtype] = code
+    tensor_type = sys.modules["torch"].Tensor
+    codes = _torch_dtype_codes()
 
     def hot(layer: int, t) -> bool:
         if type(t) is not tensor_type or is_compiling():  # torch.compile traces the custom op instead
@@ -150,11 +154,10 @@ def current_stream_reader(device_index: int):
     """A function returning the current CUDA stream of `device_index` as a cudaStream_t int, as
     cuda_stream_handle(None) does, but without a torch stream object per call where torch offers
     the raw handle."""
-    torch = sys.modules.get("torch")
-    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None) if torch is not None else None
-    if raw is None:
+    raw, key = raw_stream_reader(device_index)
+    if key is None:
         return lambda: cuda_stream_handle(None)
-
+    torch = sys.modules["torch"]
     initialized = False
 
     def current() -> int:
@@ -163,15 +166,16 @@ def current_stream_reader(device_index: int):
             if not torch.cuda.is_initialized():  # torch holds no stream yet: as cuda_stream_handle(None)
                 return cuda_stream_handle(None)
             initialized = True
-        return raw(device_index)
+        return raw(key)
 
     return current
 
 
 def raw_stream_reader(device_index: int):
     """(function, argument) whose call gives the current CUDA stream of `device_index` as a
-    cudaStream_t int, for a caller that holds a tensor on that device (so torch's CUDA state exists):
-    torch's raw-stream reader where torch has one, else cuda_stream_handle(None)."""
+    cudaStream_t int: torch's raw-stream reader and the device index where torch has one (call it
+    only once torch's CUDA state exists, e.g. holding a tensor on that device), else a function
+    doing cuda_stream_handle(None) and None."""
     torch = sys.modules.get("torch")
     raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None) if torch is not None else None
     if raw is None:

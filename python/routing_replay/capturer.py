@@ -82,6 +82,8 @@ class RoutedExpertsCapturer:
         self.num_batched_tokens = num_batched_tokens
         self.max_model_len = max_model_len
         self.num_fused_shared_experts = num_fused_shared_experts
+        # its callers are torch engines: torch imported first, so the replay builds its hot paths
+        self._torch_op, self._compiling = _torch_capture_op(import_torch=True)
         self._replay = Replay(
             num_experts=num_experts,
             top_k=top_k,
@@ -104,9 +106,6 @@ class RoutedExpertsCapturer:
         self._native = self._replay._native
         self._id = next(_replay_ids)
         _live[self._id] = self
-        self._torch_op, self._compiling = _torch_capture_op(import_torch=True)  # its callers are torch engines
-        if self._torch_op is not None and self._replay._hot_staged is _arrays.never_hot:
-            self._replay._torch_arrived()  # torch was imported just now: the replay's hot paths too
 
     @property
     def replay(self) -> Replay:
