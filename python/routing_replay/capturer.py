@@ -17,9 +17,9 @@ host storage, so the engine's thread neither waits for the step just issued nor 
 How the capture fits the library's order: the library wants a step's plan before its forward,
 and this interface gives the positions only after it. So ``capture`` writes a private staging
 buffer (one small kernel, graph safe, any integer dtype), and ``sync_fwd_experts_buffer_DtoH`` opens
-the step, moves the staged rows into the library's device buffer with one kernel through the
-step's device reference (which checks every id and reports an invalid one with its value), and
-closes the step. Layers that were not captured read as missing and fail the step, as with the
+the step and closes it: the library's end-of-step kernel moves the staged rows into its device
+buffer first (checking every id as the library's capture paths do and reporting an invalid one
+with its value), so the staged rows cost no launch of their own. Layers that were not captured read as missing and fail the step, as with the
 library's own capture.
 """
 

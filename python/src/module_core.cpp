@@ -241,8 +241,8 @@ void plan_schedule_handles(plan_holder& p, nb::handle handles, nb::handle first_
       throw error{errc::invalid_plan, "schedule_handles: entry " + std::to_string(i) + " has " + std::to_string(n) +
                                         " tokens and " + std::to_string(d) + " drafts"};
     }
-    p.plan.schedule(scheduled_request{request_handle::from_bits(static_cast<std::uint64_t>(h[i])), first[i],
-                                      static_cast<std::int32_t>(n), static_cast<std::int32_t>(d), {}});
+    p.plan.schedule(request_handle::from_bits(static_cast<std::uint64_t>(h[i])), first[i], static_cast<std::int32_t>(n),
+                    static_cast<std::int32_t>(d));
   }
 }
 
@@ -297,7 +297,7 @@ void commit_scheduled(replay_handle& h, nb::handle scheduled, nb::handle positio
       if (count == -1 && PyErr_Occurred() != nullptr) { throw nb::python_error(); }
       if (count == 0) { continue; }
       const std::int64_t first = run_first_position(id, pos, num_positions, row, count);
-      p.plan.schedule(scheduled_request{cached_handle(h, id), first, static_cast<std::int32_t>(count), 0, {}});
+      p.plan.schedule(cached_handle(h, id), first, static_cast<std::int32_t>(count));
       row += static_cast<std::size_t>(count);
     }
     check_plan_views(h, p.plan);

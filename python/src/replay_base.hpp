@@ -122,8 +122,8 @@ struct layer_window {
 ///
 /// Besides RoutingReplay's own calls it offers a staging path for engines that state a step's
 /// positions only after its forward (the drop-in capturer): stage_capture() writes a private
-/// device buffer during the forward, and commit_staged_step() opens the step, moves the staged
-/// rows into D with one kernel through RoutingReplay::ref(), and closes it.
+/// device buffer during the forward, and commit_staged_step() opens the step and closes it, the
+/// end-of-step kernel moving the staged rows into D before it checks them (no kernel of their own).
 class replay_base {
  public:
   virtual ~replay_base() = default;
@@ -207,9 +207,10 @@ class replay_base {
                              const id_array& ids,
                              std::int64_t num_tokens,
                              std::uintptr_t stream) = 0;
-  /// @brief Staging path: begin_step(plan), one kernel that records staged rows [0, N) through
-  /// ref(N) (invalid ids are reported with their value; unstaged ones stay unwritten) and resets
-  /// every staged row, then end_step(). The staging buffer is reset even when begin_step throws.
+  /// @brief Staging path: begin_step(plan), then end_step() whose end-of-step kernel first records
+  /// staged rows [0, N) into D as ref(N).record() would (invalid ids are reported with their value;
+  /// unstaged ones stay unwritten) and resets every staged row. The staging buffer is reset even
+  /// when begin_step throws.
   virtual void commit_staged_step(const step_plan& plan, std::uintptr_t stream) = 0;
   /// @brief Staging path: resets every staged row a forward may have written without a step
   /// (warm-up or empty forwards).

@@ -63,32 +63,42 @@ struct stage_layer {
   }
 };
 
-/// @brief Staging path, at the end of the step: records staged rows [0, N) of every layer through
-/// the step's device_ref (narrowing and range check happen there, so an invalid id is reported with
-/// its value) and resets staged rows [0, R) to `unstaged`. One thread per (layer, row, column).
-template <class Index, class Layout>
-struct commit_staged {
-  device_ref<Index, Layout> ref;  ///< ref(N) of the open step
-  std::int32_t* staging;          ///< [L, N_max, K]
-  std::int64_t reset_rows;        ///< R >= N: rows any staged capture may have written
-  std::int64_t num_rows;          ///< N
-  std::int64_t max_rows;          ///< N_max
-  std::int32_t top_k;             ///< K
+/// @brief Staging path, at the end of the step: the merge of the end-of-step kernel
+/// (capture_buffer::end_step), so that moving the staged rows costs no launch of its own. For the
+/// (layer slot, row) of the calling thread it moves the staged ids of a row of the step into D's
+/// cell, narrowed and checked as device_ref::record() does (an id outside [0, E) is stored as the
+/// sentinel and reported with its value), and resets the staged cell to `unstaged` for every row
+/// below R.
+template <class Index>
+struct merge_staged {
+  std::int32_t* staging;     ///< [L, N_max, K]
+  std::int64_t reset_rows;   ///< R >= N: rows any staged capture may have written
+  std::int64_t max_rows;     ///< N_max
+  std::int64_t num_experts;  ///< E
+  std::int32_t top_k;        ///< K
 
-  /// @brief Moves and resets element `i` of the first R rows of every layer.
-  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  /// @brief Rows whose staged cells the end-of-step kernel must visit: R.
+  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int64_t rows() const noexcept { return reset_rows; }
+
+  /// @brief Moves (rows of the step) and resets the staged cell of (`layer`, `row`) into `cell`.
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t layer,
+                                             std::int32_t row,
+                                             bool in_step,
+                                             Index* cell,
+                                             detail::step_status* status) const noexcept
   {
-    const std::int64_t per_layer = reset_rows * top_k;
-    const auto slot              = static_cast<std::int32_t>(i / per_layer);
-    const std::int64_t rest      = i % per_layer;
-    const std::int64_t row       = rest / top_k;
-    const std::int64_t col       = rest % top_k;
-    std::int32_t* cell           = staging + (slot * max_rows + row) * top_k + col;
-    const std::int32_t id        = *cell;
-    if (row < num_rows && id != unstaged) {
-      ref.record(slot, static_cast<std::int32_t>(row), static_cast<std::int32_t>(col), id);
+    std::int32_t* staged = staging + (static_cast<std::int64_t>(layer) * max_rows + row) * top_k;
+    for (std::int32_t col = 0; col < top_k; ++col) {
+      const std::int32_t id = staged[col];
+      staged[col]           = unstaged;
+      if (!in_step || id == unstaged) { continue; }  // never staged: D keeps what it holds
+      if (index_traits<Index>::is_valid(id, num_experts)) {
+        cell[col] = static_cast<Index>(id);
+      } else {
+        cell[col] = index_traits<Index>::sentinel;
+        status->invalid_id.report(id, layer, row, col);
+      }
     }
-    *cell = unstaged;
   }
 };
 
@@ -307,17 +317,14 @@ class replay_impl final : public replay_base {
       reset_staging(stream);  // a refused step must not leave its rows for the next one
       throw;
     }
-    const auto& c            = replay_.config();
-    const std::int64_t n     = plan.num_rows();
-    const std::int64_t reset = std::max(n, rows_to_reset());
-    if (reset > 0) {
-      Backend::bulk_async(reset * replay_.row_size(),
-                          commit_staged<Index, Layout>{replay_.ref(n), Backend::data(staging_), reset, n,
-                                                       c.max_tokens_per_step, c.top_k},
-                          s);
-    }
-    eager_staged_rows_ = 0;
-    replay_.end_step(s);
+    const auto& c = replay_.config();
+    const merge_staged<Index> merge{Backend::data(staging_), std::max(plan.num_rows(), rows_to_reset()),
+                                    c.max_tokens_per_step, c.num_experts, c.top_k};
+    replay_.end_step(s, [&](auto& buffer, const step_record<Index>& step, Index* snapshot,
+                            detail::step_status* status, typename Backend::stream_ref compute) {
+      buffer.end_step(snapshot, status, step.num_rows, step.padded_rows, compute, merge);
+      eager_staged_rows_ = 0;  // the kernel that resets them is enqueued
+    });
   }
 
   void reset_staging(std::uintptr_t stream) override

@@ -173,27 +173,31 @@ class capture_buffer {
   /// @brief The step closes: one kernel on `compute` checks rows [0, num_rows) into `status`,
   /// snapshots them token-major into `snapshot` ([num_rows, L, K]) and resets every row a capture
   /// path may have written (at least `padded_rows` when declared, else every row handed out outside
-  /// a step), so the next forward may write D as soon as it has run.
+  /// a step), so the next forward may write D as soon as it has run. `merge` writes rows kept
+  /// outside D into it first, in the same kernel (detail::harvest_rows); by default none.
+  template <class Merge = detail::no_merge>
   void end_step(Index* snapshot,
                 detail::step_status* status,
                 std::int64_t num_rows,
                 std::int64_t padded_rows,
-                stream_ref compute)
+                stream_ref compute,
+                const Merge& merge = {})
   {
     in_step_                      = false;
     const std::int64_t replayed   = padded_rows >= 0 ? padded_rows : rows_outside_steps_;
     // a step without rows still runs the kernel (one block): its thread 0 moves what the capture
     // paths reported during the step into the step's status
-    const std::int64_t reset_rows = std::max({num_rows, rows_this_step_, replayed, std::int64_t{0}});
+    const std::int64_t reset_rows =
+      std::max({num_rows, rows_this_step_, replayed, static_cast<std::int64_t>(merge.rows()), std::int64_t{0}});
     // cells of K ids move as the widest word that divides them
     const std::size_t cell_bytes = static_cast<std::size_t>(top_k_) * sizeof(Index);
     try {
       if (cell_bytes % sizeof(detail::word16) == 0) {
-        harvest<detail::word16>(snapshot, status, num_rows, reset_rows, compute);
+        harvest<detail::word16>(snapshot, status, num_rows, reset_rows, compute, merge);
       } else if (cell_bytes % sizeof(std::uint64_t) == 0) {
-        harvest<std::uint64_t>(snapshot, status, num_rows, reset_rows, compute);
+        harvest<std::uint64_t>(snapshot, status, num_rows, reset_rows, compute, merge);
       } else {
-        harvest<Index>(snapshot, status, num_rows, reset_rows, compute);
+        harvest<Index>(snapshot, status, num_rows, reset_rows, compute, merge);
       }
     } catch (...) {
       // the kernel never ran: D and what capture paths reported still hold this step's, so the
@@ -223,24 +227,26 @@ class capture_buffer {
                     Backend::data(capture_status_)};
   }
 
-  template <class Word>
+  template <class Word, class Merge>
   void harvest(Index* snapshot,
                detail::step_status* status,
                std::int64_t num_rows,
                std::int64_t reset_rows,
-               stream_ref compute)
+               stream_ref compute,
+               const Merge& merge)
   {
     // rows of one layer that fill a 32-byte sector together
     const auto cell_bytes      = static_cast<std::int32_t>(static_cast<std::size_t>(top_k_) * sizeof(Index));
     const std::int32_t grouped = std::max(1, 32 / cell_bytes);
-    const detail::harvest_rows<Index, Layout, Word> kernel{whole(),
-                                                           snapshot,
-                                                           status,
-                                                           Backend::data(capture_status_),
-                                                           num_experts_,
-                                                           static_cast<std::int32_t>(num_rows),
-                                                           static_cast<std::int32_t>(reset_rows),
-                                                           grouped};
+    const detail::harvest_rows<Index, Layout, Word, Merge> kernel{whole(),
+                                                                  snapshot,
+                                                                  status,
+                                                                  Backend::data(capture_status_),
+                                                                  num_experts_,
+                                                                  static_cast<std::int32_t>(num_rows),
+                                                                  static_cast<std::int32_t>(reset_rows),
+                                                                  grouped,
+                                                                  merge};
     Backend::launch_async(std::max(1, detail::blocks_for(kernel.num_items())), detail::kernel_block_threads, kernel,
                           compute);
   }

@@ -108,6 +108,18 @@ struct capture_layer {
   }
 };
 
+/// @brief The end-of-step kernel's default merge: D holds the step's rows as the capture paths
+/// wrote them.
+struct no_merge {
+  /// @brief Rows the merge needs visited: none.
+  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int64_t rows() const noexcept { return 0; }
+  /// @brief Nothing to merge.
+  template <class Index>
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t, std::int32_t, bool, Index*, step_status*) const noexcept
+  {
+  }
+};
+
 /// @brief End of step, in one kernel on the compute stream: checks D rows [0, N) (a (layer, row)
 /// holding the sentinel was never captured; a value outside [0, E) came through a view),
 /// snapshots them token-major ([N, L, K], one contiguous row per token) for the copy, and resets
@@ -118,7 +130,12 @@ struct capture_layer {
 /// 32-byte sectors of a layer's rows and writes contiguous runs of a token's row, for either
 /// layout, so D is read and written once at memory speed. Thread 0 also moves what capture paths
 /// reported during the forward into the step's status.
-template <class Index, class Layout, class Word>
+///
+/// `Merge` writes rows kept outside D into a cell before it is checked (the Python binding's staged
+/// captures, which would otherwise take a kernel of their own a step): called by the cell's own
+/// thread as merge(layer, row, row < N, cell, status) for every row below merge.rows(), which
+/// reset_rows covers. Its problems go to the step's status, as record()'s would.
+template <class Index, class Layout, class Word, class Merge = no_merge>
 struct harvest_rows {
   buffer_mdspan<Index, Layout> buffer;
   Index* snapshot;              // [num_rows, L, K]
@@ -128,6 +145,7 @@ struct harvest_rows {
   std::int32_t num_rows;        // N
   std::int32_t reset_rows;      // >= N: rows any capture path may have written
   std::int32_t rows_per_group;  // rows of one layer a warp reads together
+  Merge merge{};                // rows merged into D first (no_merge: none)
 
   static constexpr std::int32_t ids_per_word = static_cast<std::int32_t>(sizeof(Word) / sizeof(Index));
 
@@ -143,8 +161,9 @@ struct harvest_rows {
     const std::int64_t i = static_cast<std::int64_t>(block) * kernel_block_threads + thread;
     if (i == 0) {
       // capture kernels of this step have finished (stream order); nothing else touches them now
-      status->invalid_id            = capture_status->invalid_id;
-      status->out_of_bounds         = capture_status->out_of_bounds;
+      // absorbed, not assigned: a merge may already be reporting into the step's status
+      status->invalid_id.absorb(capture_status->invalid_id);
+      status->out_of_bounds.absorb(capture_status->out_of_bounds);
       capture_status->invalid_id    = problem_report{};
       capture_status->out_of_bounds = problem_report{};
     }
@@ -156,6 +175,7 @@ struct harvest_rows {
     const auto row     = static_cast<std::int32_t>(i / (static_cast<std::int64_t>(rows_per_group) * layers)) *
                        rows_per_group + in_row;
     if (row >= reset_rows) { return; }
+    if (row < merge.rows()) { merge(layer, row, row < num_rows, &buffer(layer, row, 0), status); }
     Word* cell               = reinterpret_cast<Word*>(&buffer(layer, row, 0));
     const std::int32_t words = top_k / ids_per_word;
     if (row < num_rows) {

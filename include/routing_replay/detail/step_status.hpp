@@ -35,6 +35,20 @@ struct problem_report {
       column = c;
     }
   }
+
+  /// @brief Adds the occurrences `other` counted, keeping its details if they are the first;
+  /// safe beside concurrent report() calls.
+  ROUTING_REPLAY_HOST_DEVICE void absorb(const problem_report& other) noexcept
+  {
+    if (other.count == 0ull) { return; }
+    cuda::atomic_ref<unsigned long long, cuda::thread_scope_device> counter{count};
+    if (counter.fetch_add(other.count, cuda::std::memory_order_relaxed) == 0ull) {
+      value  = other.value;
+      layer  = other.layer;
+      row    = other.row;
+      column = other.column;
+    }
+  }
 };
 
 /// @brief Device-side status of the step in flight; zeroed after each step's copy.
