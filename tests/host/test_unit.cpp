@@ -88,7 +88,12 @@ TEST_CASE("request handles: plans and calls by handle equal plans by id; a stale
     by_id.step(ids, first);
     rr::step_plan handles;
     handles.schedule({a, first, 3, 0, {}});
-    handles.schedule({b, first, 2, 0, {}});
+    handles.schedule(b, first, 2);  // the columnar overload: the same entry, built in place
+    const auto& built = handles.entries()[1];
+    CHECK((built.request.id.is_handle() && built.request.id.handle() == b));
+    CHECK((built.request.first_position == first && built.request.num_tokens == 2 &&
+           built.request.num_draft_tokens == 0 && built.request.slots.empty()));
+    CHECK((built.first_row == 3 && !built.skipped && handles.num_rows() == 5));
     by_handle.step(handles, first);
   }
   CHECK(by_handle.rows("a") == by_id.rows("a"));
