@@ -98,20 +98,13 @@ class request_registry {
 
   /// @brief The handle of a live id, or of a live request_handle (an array access, no hashing);
   /// throws unknown_request otherwise.
-  [[nodiscard]] std::uint32_t find(request_key key) const
+  ///
+  /// Inline for a live handle, every scheduled request of an engine that keeps its handles (the
+  /// step planner calls this once per run); ids and refusals take the out-of-line path.
+  [[nodiscard]] std::uint32_t find(const request_key& key) const
   {
-    if (key.is_handle()) {
-      if (live(key.handle())) { return key.handle().index; }
-      throw error{errc::unknown_request, "request " + key.to_string() +
-                                           " is unknown (its request was released or aborted, or it was never "
-                                           "returned by add_request)"};
-    }
-    const auto it = ids_.find(key);
-    if (it == ids_.end()) {
-      throw error{errc::unknown_request,
-                  "request " + key.to_string() + " is unknown (never added, or already released)"};
-    }
-    return it->second;
+    if (key.is_handle() && live(key.handle())) { return key.handle().index; }
+    return find_slow(key);
   }
 
   /// @brief Whether an id (or handle) is live.
@@ -145,6 +138,22 @@ class request_registry {
   [[nodiscard]] std::size_t size() const noexcept { return ids_.size(); }
 
  private:
+  // find() of an id (hashed), or of a handle that is not live (refused).
+  [[gnu::noinline]] std::uint32_t find_slow(const request_key& key) const
+  {
+    if (key.is_handle()) {
+      throw error{errc::unknown_request, "request " + key.to_string() +
+                                           " is unknown (its request was released or aborted, or it was never "
+                                           "returned by add_request)"};
+    }
+    const auto it = ids_.find(key);
+    if (it == ids_.end()) {
+      throw error{errc::unknown_request,
+                  "request " + key.to_string() + " is unknown (never added, or already released)"};
+    }
+    return it->second;
+  }
+
   // Whether `h` names a live request in the use of its index it was given for.
   [[nodiscard]] bool live(request_handle h) const noexcept
   {

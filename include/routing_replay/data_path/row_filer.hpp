@@ -163,51 +163,14 @@ class row_filer {
     if constexpr (!Store::slot_indexed) {
       // New positions of a request with no draft pending (every decode step and prefill chunk):
       // one claim and one placement for the run, not one per row. Anything else (a recomputed
-      // position, drafts) takes the row-by-row path below.
-      if (run.num_draft == 0 && run.num_tokens > 0 && r.drafts.empty()) {
-        if (Index* dst = store_.claim_fresh(run.handle, run.first_position, run.num_tokens, step.serial)) {
-          place(detail::row_claim<Index>{dst, nullptr, detail::row_claim<Index>::no_claim}, run.first_row,
-                std::int64_t{run.num_tokens});
-          r.recorded_rows = std::max(r.recorded_rows, run.first_position + run.num_tokens);
-          return;
-        }
+      // position, drafts) takes the row-by-row path.
+      if (Index* dst = claim_fresh_run(run, r, step.serial)) {
+        place(detail::row_claim<Index>{dst, nullptr, detail::row_claim<Index>::no_claim}, run.first_row,
+              std::int64_t{run.num_tokens});
+        return;
       }
     }
-    draft_group* group = nullptr;
-    if (run.num_draft > 0) {
-      for (auto& g : r.drafts) {
-        if (g.step_serial == step.serial) { group = &g; }
-      }
-    }
-    const std::int32_t committed = run.num_tokens - run.num_draft;
-    for (std::int32_t i = 0; i < run.num_tokens; ++i) {
-      const std::int64_t position = run.first_position + i;
-      const auto at               = static_cast<std::size_t>(run.slots_begin + i);
-      const std::int64_t slot     = run.slots_begin >= 0 ? step.slots[at] : -1;
-      const std::uint32_t planned = run.slots_begin >= 0 ? step.generations[at] : 0u;
-      const std::int32_t d        = i - committed;
-      const bool draft            = d >= 0 && group != nullptr;
-      if (draft && group->accepted >= 0 && d >= group->accepted) { continue; }  // already rejected
-      const bool tentative = draft && group->accepted < 0;
-      // a draft row stays open to a take-over by every step that ended before its group's acceptance
-      const bool takeable = draft && (group->accepted < 0 || group->accepted_through > step.serial);
-      const bool taken    = take_over_draft(r, run.handle, position, step.serial, taken_drafts);  // always: ownership must move
-      const auto c        = store_.claim(run.handle, position, slot, planned, step.serial, taken || overwrite_);
-      if (c.dst != nullptr) {
-        place(c, run.first_row + i, std::int64_t{1});
-        // a tentative row owns its slot only if it is its own (not an earlier row that followed)
-        if (takeable && c.copy_from == nullptr) { group->owned |= 1u << d; }
-      }
-      if (!tentative) { r.recorded_rows = std::max(r.recorded_rows, position + 1); }
-    }
-    if (group != nullptr) {
-      group->filed = true;
-      // accepted before its rows arrived: nothing left to resolve, unless steps that ended before
-      // the acceptance are still to be filed (rows claimed when filed)
-      if (group->accepted >= 0 && group->accepted_through <= step.serial) {
-        r.drafts.erase(r.drafts.begin() + (group - r.drafts.data()));
-      }
-    }
+    claim_rows(run, r, step, place, taken_drafts);
   }
 
   /// @brief Claims the rows of `run`, the run of request `r` just added to the step being planned
@@ -217,23 +180,12 @@ class row_filer {
   void claim_planned(step_record<Index>& step, step_run& run, request_state& r)
   {
     run.recorded_before = r.recorded_rows;
-    claim_run(
-      run, r, step,
-      [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) {
-        const bool replaces = c.replaced != detail::row_claim<Index>::no_claim;  // single rows only
-        if (replaces) {
-          const std::int64_t i    = row - run.first_row;
-          const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
-          step.replaced.push_back({run.handle, run.first_position + i, slot, c.replaced});  // reserved
-        }
-        std::int64_t src = row * row_elems_;
-        store_.device_pieces(run.handle, c.dst, rows * row_elems_, [&](Index* dst, std::int64_t elems) {
-          add_piece(step.ops, {dst, c.copy_from, src, elems, replaces});
-          src += elems;
-          if (c.copy_from != nullptr) { c.copy_from += elems; }
-        });
-      },
-      &step.taken);
+    if (!claim_fresh_planned(step, run, r)) {
+      claim_rows(
+        run, r, step,
+        [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) { add_pieces(step, run, c, row, rows); },
+        &step.taken);
+    }
     run.recorded_after = r.recorded_rows;
   }
 
@@ -395,21 +347,127 @@ class row_filer {
   }
 
  private:
-  // Appends a piece to a step's pieces: it extends the last one if it continues it (a run of rows
-  // to consecutive places), and no piece grows past max_piece_elems.
-  static void add_piece(std::vector<detail::scatter_op<Index>>& ops, detail::scatter_op<Index> op)
+  // Per-request rows: claims the run's positions in one range if it is the common run (new
+  // positions, no draft pending: every decode step and prefill chunk) and none of them holds a
+  // claim, and returns the host address of its first row (T moves past the run); nullptr, and
+  // nothing changed, otherwise.
+  Index* claim_fresh_run(const step_run& run, request_state& r, std::uint64_t serial) noexcept
+    requires(!Store::slot_indexed)
   {
-    if (!ops.empty()) {
-      auto& last = ops.back();
-      const bool continues =
-        last.dst + last.elems == op.dst && last.elems + op.elems <= detail::max_piece_elems && last.replaces == op.replaces &&
-        (op.copy_from == nullptr ? last.copy_from == nullptr && last.src + last.elems == op.src
-                                 : last.copy_from != nullptr && last.copy_from + last.elems == op.copy_from);
-      if (continues) {
-        last.elems += op.elems;
-        return;
+    if (run.num_draft != 0 || run.num_tokens <= 0 || !r.drafts.empty()) { return nullptr; }
+    Index* const dst = store_.claim_fresh(run.handle, run.first_position, run.num_tokens, serial);
+    if (dst != nullptr) { r.recorded_rows = std::max(r.recorded_rows, run.first_position + run.num_tokens); }
+    return dst;
+  }
+
+  // claim_planned() of the common run, in one place (no placement callback): claim_fresh_run(), then the
+  // run's pieces, the step's rows from its first on. False, and nothing changed, for any other run.
+  bool claim_fresh_planned(step_record<Index>& step, const step_run& run, request_state& r) noexcept
+  {
+    if constexpr (Store::slot_indexed) {
+      return false;
+    } else {
+      Index* const dst = claim_fresh_run(run, r, step.serial);
+      if (dst == nullptr) { return false; }
+      std::int64_t src = run.first_row * row_elems_;
+      store_.device_pieces(run.handle, dst, std::int64_t{run.num_tokens} * row_elems_,
+                           [&](Index* piece, std::int64_t elems) {
+                             add_piece(step.ops, {piece, nullptr, src, elems, false});
+                             src += elems;
+                           });
+      return true;
+    }
+  }
+
+  // claim_planned()'s placement of `rows` rows of the step from `row` on, claimed as `c`, for a run
+  // of claim_rows(): a re-claimed row is recorded for a discard to give back.
+  void add_pieces(step_record<Index>& step, const step_run& run, detail::row_claim<Index> c, std::int64_t row,
+                  std::int64_t rows)
+  {
+    const bool replaces = c.replaced != detail::row_claim<Index>::no_claim;  // single rows only
+    if (replaces) {
+      const std::int64_t i    = row - run.first_row;
+      const std::int64_t slot = run.slots_begin >= 0 ? step.slots[static_cast<std::size_t>(run.slots_begin + i)] : -1;
+      step.replaced.push_back({run.handle, run.first_position + i, slot, c.replaced});  // reserved
+    }
+    std::int64_t src = row * row_elems_;
+    store_.device_pieces(run.handle, c.dst, rows * row_elems_, [&](Index* dst, std::int64_t elems) {
+      add_piece(step.ops, {dst, c.copy_from, src, elems, replaces});
+      src += elems;
+      if (c.copy_from != nullptr) { c.copy_from += elems; }
+    });
+  }
+
+  // claim_run() row by row: any run but the common one (recomputed positions, drafts, slots).
+  template <class Place>
+  void claim_rows(const step_run& run, request_state& r, const step_record<Index>& step, Place&& place,
+                  std::vector<taken_draft>* taken_drafts)
+  {
+    draft_group* group = nullptr;
+    if (run.num_draft > 0) {
+      for (auto& g : r.drafts) {
+        if (g.step_serial == step.serial) { group = &g; }
       }
     }
+    const std::int32_t committed = run.num_tokens - run.num_draft;
+    for (std::int32_t i = 0; i < run.num_tokens; ++i) {
+      const std::int64_t position = run.first_position + i;
+      const auto at               = static_cast<std::size_t>(run.slots_begin + i);
+      const std::int64_t slot     = run.slots_begin >= 0 ? step.slots[at] : -1;
+      const std::uint32_t planned = run.slots_begin >= 0 ? step.generations[at] : 0u;
+      const std::int32_t d        = i - committed;
+      const bool draft            = d >= 0 && group != nullptr;
+      if (draft && group->accepted >= 0 && d >= group->accepted) { continue; }  // already rejected
+      const bool tentative = draft && group->accepted < 0;
+      // a draft row stays open to a take-over by every step that ended before its group's acceptance
+      const bool takeable = draft && (group->accepted < 0 || group->accepted_through > step.serial);
+      const bool taken    = take_over_draft(r, run.handle, position, step.serial, taken_drafts);  // always: ownership must move
+      const auto c        = store_.claim(run.handle, position, slot, planned, step.serial, taken || overwrite_);
+      if (c.dst != nullptr) {
+        place(c, run.first_row + i, std::int64_t{1});
+        // a tentative row owns its slot only if it is its own (not an earlier row that followed)
+        if (takeable && c.copy_from == nullptr) { group->owned |= 1u << d; }
+      }
+      if (!tentative) { r.recorded_rows = std::max(r.recorded_rows, position + 1); }
+    }
+    if (group != nullptr) {
+      group->filed = true;
+      // accepted before its rows arrived: nothing left to resolve, unless steps that ended before
+      // the acceptance are still to be filed (rows claimed when filed)
+      if (group->accepted >= 0 && group->accepted_through <= step.serial) {
+        r.drafts.erase(r.drafts.begin() + (group - r.drafts.data()));
+      }
+    }
+  }
+
+  // Appends a piece to a step's pieces: it extends the last one if it continues it (a run of rows
+  // to consecutive places), and no piece grows past max_piece_elems. Inline: every run of a step
+  // adds one (room was reserved); a piece to cut takes add_cut_piece().
+  static void add_piece(std::vector<detail::scatter_op<Index>>& ops, const detail::scatter_op<Index>& op)
+  {
+    if (!ops.empty() && continues(ops.back(), op)) {
+      ops.back().elems += op.elems;
+      return;
+    }
+    if (op.elems > detail::max_piece_elems) {
+      add_cut_piece(ops, op);
+      return;
+    }
+    ops.push_back(op);
+  }
+
+  // Whether `op` continues `last`: the next ids of the same kind of piece, and the two fit in one.
+  static bool continues(const detail::scatter_op<Index>& last, const detail::scatter_op<Index>& op) noexcept
+  {
+    return last.dst + last.elems == op.dst && last.elems + op.elems <= detail::max_piece_elems &&
+           last.replaces == op.replaces &&
+           (op.copy_from == nullptr ? last.copy_from == nullptr && last.src + last.elems == op.src
+                                    : last.copy_from != nullptr && last.copy_from + last.elems == op.copy_from);
+  }
+
+  // add_piece() of a piece larger than max_piece_elems: cut into pieces of at most that.
+  [[gnu::noinline]] static void add_cut_piece(std::vector<detail::scatter_op<Index>>& ops, detail::scatter_op<Index> op)
+  {
     while (op.elems > detail::max_piece_elems) {
       ops.push_back({op.dst, op.copy_from, op.src, detail::max_piece_elems, op.replaces});
       op.dst += detail::max_piece_elems;

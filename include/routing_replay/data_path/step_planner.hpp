@@ -80,24 +80,22 @@ class step_planner {
     ++attempt_;
     store.begin_validation();
     std::size_t growth = 0;
-    handles_.clear();
     tokens_     = 0;
     has_drafts_ = false;
+    // every run's handle, written by index: at most one per entry (the size is cut to the runs below)
+    handles_.resize(plan.entries().size());
+    std::uint32_t* next_handle = handles_.data();
     for (const auto& entry : plan.entries()) {
       const scheduled_request& s = entry.request;
-      if (s.num_tokens < 0) {
-        throw error{errc::invalid_plan, "step plan: negative token count " + std::to_string(s.num_tokens)};
-      }
+      if (s.num_tokens < 0) { throw_negative_tokens(s); }
       if (entry.skipped) { continue; }
       const std::uint32_t h = requests.find(s.id);
-      handles_.push_back(h);
-      auto& r = requests[h];
+      *next_handle++        = h;
+      auto& r               = requests[h];
       // messages name the request by its id, also when the plan names it by handle
-      if (r.planned_attempt == attempt_) {
-        throw error{errc::duplicate_request, "step plan schedules request " + r.id->to_string() + " twice"};
-      }
+      if (r.planned_attempt == attempt_) { throw_duplicate(*r.id); }
       r.planned_attempt = attempt_;
-      check_request(s, *r.id);
+      if (!request_fits(s)) { throw_request_outside(s, *r.id); }
       if constexpr (Filer::store_type::slot_indexed) {
         try {
           store.check_slots(s.slots, s.num_tokens);
@@ -109,6 +107,7 @@ class step_planner {
       has_drafts_ = has_drafts_ || s.num_draft_tokens > 0;
       growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
     }
+    handles_.resize(static_cast<std::size_t>(next_handle - handles_.data()));
     grows_ = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
     store.check_blocks(plan.fresh_blocks(), "fresh");
     // doubling every request that grows would cross the limit: grow each exactly, if that fits
@@ -230,9 +229,18 @@ class step_planner {
     }
   }
 
-  void check_request(const scheduled_request& s, const request_id& id) const
+  // Whether the positions and drafts of `s` (num_tokens >= 0) are valid: the common case, inline;
+  // throw_request_outside() says what is wrong otherwise.
+  [[nodiscard]] bool request_fits(const scheduled_request& s) const noexcept
   {
     // num_tokens >= 0 here: the subtraction cannot overflow, where first_position + num_tokens can
+    return s.first_position >= 0 && s.first_position <= max_model_len_ - s.num_tokens && s.num_draft_tokens >= 0 &&
+           s.num_draft_tokens <= s.num_tokens && s.num_draft_tokens <= max_draft_tokens;
+  }
+
+  // The error of a request that request_fits() refused: positions first, then drafts.
+  [[noreturn, gnu::cold, gnu::noinline]] void throw_request_outside(const scheduled_request& s, const request_id& id) const
+  {
     if (s.first_position < 0 || s.first_position > max_model_len_ - s.num_tokens) {
       const std::int64_t end = s.first_position > std::numeric_limits<std::int64_t>::max() - s.num_tokens
                                  ? std::numeric_limits<std::int64_t>::max()
@@ -242,11 +250,21 @@ class step_planner {
                     std::to_string(end) + ") are outside [0, max_model_len = " + std::to_string(max_model_len_) +
                     ")"};
     }
-    if (s.num_draft_tokens < 0 || s.num_draft_tokens > s.num_tokens || s.num_draft_tokens > max_draft_tokens) {
-      throw error{errc::invalid_plan, "request " + id.to_string() + ": " + std::to_string(s.num_draft_tokens) +
-                                        " draft tokens among " + std::to_string(s.num_tokens) + " (at most " +
-                                        std::to_string(max_draft_tokens) + ")"};
-    }
+    throw error{errc::invalid_plan, "request " + id.to_string() + ": " + std::to_string(s.num_draft_tokens) +
+                                      " draft tokens among " + std::to_string(s.num_tokens) + " (at most " +
+                                      std::to_string(max_draft_tokens) + ")"};
+  }
+
+  // validate()'s other refusals, out of line (with the message building) so that its per-run loop
+  // stays small.
+  [[noreturn, gnu::cold, gnu::noinline]] static void throw_negative_tokens(const scheduled_request& s)
+  {
+    throw error{errc::invalid_plan, "step plan: negative token count " + std::to_string(s.num_tokens)};
+  }
+
+  [[noreturn, gnu::cold, gnu::noinline]] static void throw_duplicate(const request_id& id)
+  {
+    throw error{errc::duplicate_request, "step plan schedules request " + id.to_string() + " twice"};
   }
 
   [[nodiscard]] draft_group draft_group_of(const scheduled_request& s, bool with_slots) const
