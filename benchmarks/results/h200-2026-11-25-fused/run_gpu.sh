@@ -8,6 +8,7 @@
 # decode B1 / B64 / B256 / B1024 and prefill 8k) and the side by side with vLLM PR 39917's capturer
 # (the peer once a round, beside this tree's drop-in; the baseline's drop-in alone). Every line
 # carries its round and tree. A round is not started past ROUND_BUDGET_S seconds (default 300).
+# APIS, SCENARIOS: engine_loop.py's; SIDE_BY_SIDE=0 leaves the peer's script out.
 # Usage (repository root): OUT=... benchmarks/results/h200-2026-11-25-fused/run_gpu.sh [rounds]
 #   SKIP_BUILD=1 reuses both packages of an earlier call on the same (warm) machine.
 set -uo pipefail
@@ -49,9 +50,10 @@ for round in $(seq "$first" $(( first + ${1:-2} - 1 ))); do
   for tree in $trees; do
     s=$site; impl="peer,dropin"
     [ "$tree" = base ] && { s=$base_site; impl=dropin; }
-    PYTHONPATH="$s" python3 benchmarks/python/engine_loop.py --api none,replay,dropin --modes eager,graph \
-      --scenarios decode_B1,decode_B64,decode_B256,decode_B1024,prefill_8k 2>>"$out/errors.log" |
+    PYTHONPATH="$s" python3 benchmarks/python/engine_loop.py --api "${APIS:-none,replay,dropin}" --modes eager,graph \
+      --scenarios "${SCENARIOS:-decode_B1,decode_B64,decode_B256,decode_B1024,prefill_8k}" 2>>"$out/errors.log" |
       tag "$round" "$tree" >>"$out/python_engine_loop.jsonl"
+    [ "${SIDE_BY_SIDE:-1}" = 1 ] || continue
     PYTHONPATH="$s" python3 .peers/engine_loop_vs_peer.py --copy device_scatter --impl "$impl" 2>>"$out/errors.log" |
       tag "$round" "$tree" >>"$out/peer_side_by_side_device_scatter.jsonl"
   done
