@@ -19,8 +19,8 @@ and this interface gives the positions only after it. So ``capture`` writes a pr
 buffer (one small kernel, graph safe, any integer dtype), and ``sync_fwd_experts_buffer_DtoH`` opens
 the step and closes it: the library's end-of-step kernel moves the staged rows into its device
 buffer first (checking every id as the library's capture paths do and reporting an invalid one
-with its value), so the staged rows cost no launch of their own. Layers that were not captured read as missing and fail the step, as with the
-library's own capture.
+with its value), so the staged rows cost no launch of their own. Layers that were not captured
+read as missing and fail the step, as with the library's own capture.
 """
 
 from __future__ import annotations
