@@ -38,6 +38,9 @@ rr::replay_config parts_config() { return rr_test::small_config(); }
 
 using per_request_filer = rr::row_filer<index_t, rr::per_request_storage::store<index_t>, rr::scatter_site::host>;
 using block_slot_filer  = rr::row_filer<index_t, rr::block_slot_storage::store<index_t>, rr::scatter_site::host>;
+// per-request rows a kernel writes (device_scatter): claimed when the step begins
+using scattered_filer = rr::row_filer<index_t, rr::host_store<rr::per_request_storage, rr::host_backend, index_t, true>,
+                                      rr::scatter_site::device>;
 
 // The planner, the registry and a filer, as RoutingReplay holds them.
 template <class Filer>
@@ -174,6 +177,68 @@ TEST_CASE("step_planner: host memory limit, exact growth when doubling would cro
   rr::step_plan plan;
   plan.schedule({.id = "r", .first_position = 2600, .num_tokens = 1});
   CHECK(code_of([&] { p.planner.validate(plan, p.requests, p.filer); }) == rr::errc::host_memory_exhausted);
+}
+
+TEST_CASE("step_planner: a device scatter's common step is planned while it is validated, any other the long way")
+{
+  static_assert(scattered_filer::plans_fresh_runs && !per_request_filer::plans_fresh_runs);
+  planning<scattered_filer> p;
+  const auto a = p.add("a");
+  const auto b = p.add("b");
+  auto step = [&](const rr::step_plan& plan) {
+    p.plan(plan);
+    const rr::step_record<index_t> record = *p.planner.open_step();
+    (void)p.planner.close();
+    p.filer.retired(record);
+    return record;
+  };
+  // both requests grow in the first step (the long way), decode in the next (planned)
+  rr::step_plan plan;
+  plan.schedule(rr::request_handle{a, 0}, 0, 3);
+  plan.schedule(rr::request_handle{b, 0}, 0, 2);
+  const auto first = step(plan);
+  REQUIRE(first.ops.size() == 2);
+  plan.clear();
+  plan.schedule(rr::request_handle{a, 0}, 3, 1);
+  plan.skip(1);
+  plan.schedule(rr::request_handle{b, 0}, 2, 1);
+  const auto decode = step(plan);
+  REQUIRE(decode.runs.size() == 2);
+  REQUIRE(decode.ops.size() == 2);
+  CHECK(decode.runs[1].handle == b);
+  CHECK(decode.runs[1].first_row == 2);
+  CHECK(decode.runs[1].recorded_before == 2);
+  CHECK(decode.runs[1].recorded_after == 3);
+  CHECK(decode.ops[1].src == 2 * p.filer.row_elems());
+  CHECK(decode.ops[1].elems == p.filer.row_elems());
+  // the rows follow those of the first step in each request's segment
+  CHECK(decode.ops[0].dst == first.ops[0].dst + 3 * p.filer.row_elems());
+  CHECK(decode.ops[1].dst == first.ops[1].dst + 2 * p.filer.row_elems());
+  CHECK(p.requests[a].recorded_rows == 4);
+  CHECK(p.requests[b].recorded_rows == 3);
+
+  // a plan refused after runs were planned leaves nothing changed, and the next is planned anew
+  plan.clear();
+  plan.schedule(rr::request_handle{a, 0}, 4, 1);
+  plan.schedule({.id = "nobody", .first_position = 0, .num_tokens = 1});
+  CHECK(code_of([&] { p.planner.validate(plan, p.requests, p.filer); }) == rr::errc::unknown_request);
+  CHECK(p.requests[a].recorded_rows == 4);
+  CHECK(p.planner.open_step() == nullptr);
+  // a recomputed position of b (claimed already) goes the long way; a's run was planned first
+  plan.clear();
+  plan.schedule(rr::request_handle{a, 0}, 4, 1);
+  plan.schedule(rr::request_handle{b, 0}, 1, 2);
+  const auto recompute = step(plan);
+  REQUIRE(recompute.runs.size() == 2);
+  CHECK(recompute.runs[0].recorded_after == 5);
+  CHECK(recompute.runs[1].recorded_after == 3);
+  CHECK(recompute.ops.size() == 1);  // b's rows stay (first write wins): a's piece alone
+  // drafts go the long way too, and open their group
+  plan.clear();
+  plan.schedule(rr::request_handle{a, 0}, 5, 2, 1);
+  const auto drafted = step(plan);
+  CHECK(drafted.ops.size() == 1);
+  CHECK(p.requests[a].drafts.size() == 1);
 }
 
 TEST_CASE("step_planner: block-slot plans check slots and blocks, then claim every row when the step opens")

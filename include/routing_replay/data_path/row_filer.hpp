@@ -189,6 +189,66 @@ class row_filer {
     run.recorded_after = r.recorded_rows;
   }
 
+  /// @brief Whether this filer plans the common step while the planner validates it
+  /// (plan_fresh(), commit_fresh()): per-request rows claimed when their step begins.
+  static constexpr bool plans_fresh_runs = claims_when_planned && !Store::slot_indexed;
+
+  /// @brief claim_planned() of `run` split in two for the common run (new positions, no draft
+  /// pending or planned, in the request's last segment: every decode step and prefill chunk of a
+  /// request that does not grow): appends `run`, with the request's T before and after it, and its
+  /// pieces to `step`, and changes nothing else; commit_fresh() claims it when the step opens. False,
+  /// and nothing appended, for any other run (claim_planned() takes it).
+  bool plan_fresh(step_record<Index>& step,
+                  std::uint32_t h,
+                  const request_state& r,
+                  const scheduled_request& s,
+                  std::int64_t first_row)
+    requires(plans_fresh_runs)
+  {
+    if (s.num_draft_tokens != 0 || !r.drafts.empty()) { return false; }
+    Index* dst = nullptr;
+    if (s.num_tokens > 0) {
+      dst = store_.fresh_destination(h, s.first_position, s.num_tokens);
+      if (dst == nullptr) { return false; }
+    }
+    // written field by field where it lives: a run built aside and copied in would be reloaded
+    // wide from narrow stores (a store-forwarding stall, as step_plan::entry explains)
+    step_run& run       = step.runs.emplace_back();
+    run.handle          = h;
+    run.generation      = r.generation;
+    run.first_row       = first_row;
+    run.first_position  = s.first_position;
+    run.num_tokens      = s.num_tokens;
+    run.num_draft       = 0;
+    run.slots_begin     = -1;
+    run.recorded_before = r.recorded_rows;
+    run.recorded_after  = dst != nullptr ? std::max(r.recorded_rows, s.first_position + s.num_tokens) : r.recorded_rows;
+    if (dst == nullptr) { return true; }
+    // one piece, on its own: the next run's rows go to another request's range, which it does not
+    // continue in practice (add_piece() would look)
+    const std::int64_t elems = std::int64_t{s.num_tokens} * row_elems_;
+    if (elems > detail::max_piece_elems) {
+      add_cut_piece(step.ops, {dst, nullptr, first_row * row_elems_, elems, false});
+      return true;
+    }
+    detail::scatter_op<Index>& op = step.ops.emplace_back();
+    op.dst                        = dst;
+    op.copy_from                  = nullptr;
+    op.src                        = first_row * row_elems_;
+    op.elems                      = elems;
+    op.replaces                   = false;
+    return true;
+  }
+
+  /// @brief Claims the rows of `run`, planned by plan_fresh() for step `serial` (nothing has
+  /// changed the request since), for its request `r`.
+  void commit_fresh(const step_run& run, request_state& r, std::uint64_t serial) noexcept
+    requires(plans_fresh_runs)
+  {
+    r.recorded_rows = run.recorded_after;
+    if (run.num_tokens > 0) { store_.commit_fresh(run.handle, run.first_position, run.num_tokens, serial); }
+  }
+
   /// @brief Room in `step`'s pieces for a step of `num_rows` rows (claim_planned() then never
   /// allocates): a row starts at most one piece and is cut at most once more.
   void reserve_pieces(step_record<Index>& step, std::int64_t num_rows) const

@@ -79,6 +79,15 @@ class step_planner {
     auto& store = filer.store();
     ++attempt_;
     store.begin_validation();
+    // the common step's claims are planned in this pass (Filer::plans_fresh_runs): the record is
+    // free (no step is open) and what is written to it here is not observable until open()
+    planned_ = Filer::plans_fresh_runs;
+    if constexpr (Filer::plans_fresh_runs) {
+      record_.runs.clear();
+      record_.ops.clear();
+      record_.runs.reserve(plan.entries().size());
+      filer.reserve_pieces(record_, plan.num_rows());
+    }
     std::size_t growth = 0;
     tokens_     = 0;
     has_drafts_ = false;
@@ -105,10 +114,16 @@ class step_planner {
       }
       tokens_ += static_cast<std::size_t>(s.num_tokens);
       has_drafts_ = has_drafts_ || s.num_draft_tokens > 0;
+      if constexpr (Filer::plans_fresh_runs) {
+        // a run planned fresh lies in storage it already has: it does not grow
+        if (planned_ && filer.plan_fresh(record_, h, r, s, entry.first_row)) { continue; }
+        planned_ = false;
+      }
       growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
     }
     handles_.resize(static_cast<std::size_t>(next_handle - handles_.data()));
-    grows_ = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
+    grows_   = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
+    planned_ = planned_ && !grows_;  // growth moves the last segment the pieces were planned in
     store.check_blocks(plan.fresh_blocks(), "fresh");
     // doubling every request that grows would cross the limit: grow each exactly, if that fits
     exact_growth_ = store.bytes_in_use() + growth > store.limit();
@@ -135,6 +150,12 @@ class step_planner {
   template <class Filer>
   void open(const step_plan& plan, request_registry& requests, Filer& filer)
   {
+    if constexpr (Filer::plans_fresh_runs) {
+      if (planned_) {
+        open_planned(plan, requests, filer);
+        return;
+      }
+    }
     auto& store             = filer.store();
     step_record<Index>& out = record_;
     reserve_record(plan, requests, filer);
@@ -192,6 +213,32 @@ class step_planner {
     open_ = true;
   }
 
+  /// @brief open() of a step whose every run validate() planned (Filer::plans_fresh_runs): its
+  /// runs and pieces are in the record; what is left is to claim them, one short pass.
+  template <class Filer>
+  void open_planned(const step_plan& plan, request_registry& requests, Filer& filer)
+  {
+    step_record<Index>& out = record_;
+    out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());  // may throw: nothing changed
+    // nothing below allocates or throws
+    planned_        = false;
+    out.serial      = ++serial_;
+    out.num_rows    = plan.num_rows();
+    out.padded_rows = plan.padded_rows();
+    out.slots.clear();
+    out.generations.clear();
+    out.replaced.clear();
+    out.taken.clear();
+    filer.store().refresh_blocks(out.fresh_blocks);
+    for (const step_run& run : out.runs) {
+      auto& r      = requests[run.handle];
+      r.open_step  = serial_;
+      r.reads_step = serial_;
+      filer.commit_fresh(run, r, serial_);
+    }
+    open_ = true;
+  }
+
   /// @brief Closes the open step and returns its record, for the copy pipeline to take (it hands
   /// back a used record in exchange, so records are recycled).
   /// @throws error invalid_state if no step is open
@@ -234,8 +281,9 @@ class step_planner {
   [[nodiscard]] bool request_fits(const scheduled_request& s) const noexcept
   {
     // num_tokens >= 0 here: the subtraction cannot overflow, where first_position + num_tokens can
-    return s.first_position >= 0 && s.first_position <= max_model_len_ - s.num_tokens && s.num_draft_tokens >= 0 &&
-           s.num_draft_tokens <= s.num_tokens && s.num_draft_tokens <= max_draft_tokens;
+    return s.first_position >= 0 && s.first_position <= max_model_len_ - s.num_tokens &&
+           (s.num_draft_tokens == 0 ||  // most runs: one test for the three below
+            (s.num_draft_tokens > 0 && s.num_draft_tokens <= s.num_tokens && s.num_draft_tokens <= max_draft_tokens));
   }
 
   // The error of a request that request_fits() refused: positions first, then drafts.
@@ -284,6 +332,7 @@ class step_planner {
   bool exact_growth_     = false;
   bool grows_            = false;  // some run of the validated plan needs more storage
   bool has_drafts_       = false;  // some run of the validated plan has draft tokens
+  bool planned_          = false;  // validate() planned every run's claims: open() commits them
   std::size_t tokens_    = 0;      // tokens of the validated plan's runs
   bool open_             = false;
   std::vector<std::uint32_t> handles_;  // the plan's runs' handles, found once by validate()

@@ -280,19 +280,29 @@ class per_request_store {
       const std::int64_t may_be_claimed = std::min(r.claimed_end - first, count);
       if (std::any_of(by, by + may_be_claimed, [](std::uint64_t c) { return c != 0; })) { return nullptr; }
     }
-    // past claimed_end nothing is claimed: new positions (every decode step, every prefill chunk)
-    // are claimed in the entry alone
-    auto& run = r.recent;
-    if (count == 1 && run.count > 0 && run.per_step && first == run.first + run.count &&
-        step == run.serial + static_cast<std::uint64_t>(run.count)) {
-      ++run.count;  // the next step of a decoding request
-    } else {
-      settle(r);
-      run = claim_run{first, count, step, count == 1};
-    }
-    r.claimed_end = std::max(r.claimed_end, first + count);
-    r.last_claim  = std::max(r.last_claim, step);
+    take_fresh(r, first, count, step);
     return row_at(r, first);
+  }
+
+  /// @brief Where kernels write positions [first, first + count) of `h` (count > 0) if claim_fresh()
+  /// would claim them in the entry alone and they lie in the last segment: no position at or past
+  /// `first` holds a claim and the segment holds them all (every decode step and prefill chunk of a
+  /// request that does not grow). nullptr otherwise. Changes nothing: the step planner plans the
+  /// common step's pieces while it validates, and commits them with commit_fresh().
+  [[nodiscard]] Index* fresh_destination(std::uint32_t h, std::int64_t first, std::int64_t count) const noexcept
+  {
+    const auto& r = rows_[h];
+    if (first < r.claimed_end) { return nullptr; }
+    const auto offset = static_cast<std::size_t>(first) * row_bytes_;
+    if (offset < r.tail_start || offset + static_cast<std::size_t>(count) * row_bytes_ > r.capacity) { return nullptr; }
+    return reinterpret_cast<Index*>(r.tail_address + (offset - r.tail_start));
+  }
+
+  /// @brief Claims positions [first, first + count) of `h` for step `step`, which
+  /// fresh_destination() found unclaimed (nothing has changed `h` since).
+  void commit_fresh(std::uint32_t h, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
+  {
+    take_fresh(rows_[h], first, count, step);
   }
 
   /// @brief A discarded step `serial` gives back its claim of (`h`, `position`), which replaced the
@@ -453,6 +463,22 @@ class per_request_store {
       ::munmap(p.view, view_bytes());
       release_segments(p.segments, p.last_claim);
     }
+  }
+
+  // Claims new positions [first, first + count) of `r` (nothing at or past `first` is claimed) in
+  // its entry alone: past claimed_end nothing is claimed, so claimed_by is not written.
+  static void take_fresh(request_rows& r, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
+  {
+    auto& run = r.recent;
+    if (count == 1 && run.count > 0 && run.per_step && first == run.first + run.count &&
+        step == run.serial + static_cast<std::uint64_t>(run.count)) {
+      ++run.count;  // the next step of a decoding request
+    } else {
+      settle(r);
+      run = claim_run{first, count, step, count == 1};
+    }
+    r.claimed_end = std::max(r.claimed_end, first + count);
+    r.last_claim  = std::max(r.last_claim, step);
   }
 
   // Writes the claims `r` holds in its entry alone to claimed_by: before anything else reads or
