@@ -178,16 +178,7 @@ class step_planner {
       throw;
     }
     // nothing below allocates or throws
-    out.serial      = ++serial_;
-    out.num_rows    = plan.num_rows();
-    out.padded_rows = plan.padded_rows();
-    out.runs.clear();
-    out.slots.clear();
-    out.generations.clear();
-    out.ops.clear();
-    out.replaced.clear();
-    out.taken.clear();
-    out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());
+    start_record(plan, false);
     store.refresh_blocks(out.fresh_blocks);
     auto handle = handles_.begin();
     for (const auto& entry : plan.entries()) {
@@ -218,19 +209,12 @@ class step_planner {
   template <class Filer>
   void open_planned(const step_plan& plan, request_registry& requests, Filer& filer)
   {
-    step_record<Index>& out = record_;
-    out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());  // may throw: nothing changed
+    record_.fresh_blocks.reserve(plan.fresh_blocks().size());  // may throw: nothing changed
     // nothing below allocates or throws
-    planned_        = false;
-    out.serial      = ++serial_;
-    out.num_rows    = plan.num_rows();
-    out.padded_rows = plan.padded_rows();
-    out.slots.clear();
-    out.generations.clear();
-    out.replaced.clear();
-    out.taken.clear();
-    filer.store().refresh_blocks(out.fresh_blocks);
-    for (const step_run& run : out.runs) {
+    planned_ = false;
+    start_record(plan, true);
+    filer.store().refresh_blocks(record_.fresh_blocks);
+    for (const step_run& run : record_.runs) {
       auto& r      = requests[run.handle];
       r.open_step  = serial_;
       r.reads_step = serial_;
@@ -250,6 +234,25 @@ class step_planner {
   }
 
  private:
+  // The record of the step being opened: a new serial, the plan's rows and fresh blocks (room was
+  // made), every list emptied but the runs and pieces validate() planned (`planned`).
+  void start_record(const step_plan& plan, bool planned) noexcept
+  {
+    step_record<Index>& out = record_;
+    out.serial              = ++serial_;
+    out.num_rows            = plan.num_rows();
+    out.padded_rows         = plan.padded_rows();
+    if (!planned) {
+      out.runs.clear();
+      out.ops.clear();
+    }
+    out.slots.clear();
+    out.generations.clear();
+    out.replaced.clear();
+    out.taken.clear();
+    out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());
+  }
+
   // Room for everything open() appends, so that past its storage growth it allocates nothing.
   template <class Filer>
   void reserve_record(const step_plan& plan, request_registry& requests, Filer& filer)
