@@ -182,7 +182,11 @@ TEST_CASE("step_planner: host memory limit, exact growth when doubling would cro
 TEST_CASE("step_planner: a device scatter's common step is planned while it is validated, any other the long way")
 {
   static_assert(scattered_filer::plans_fresh_runs && !per_request_filer::plans_fresh_runs);
+  // rows of 4 ids (8 bytes): a request's first segment is one page, 512 rows
   planning<scattered_filer> p;
+  p.config.max_model_len = 1024;
+  p.filer                = scattered_filer{p.config, p.layers};
+  p.planner              = rr::step_planner<index_t>{p.config};
   const auto a = p.add("a");
   const auto b = p.add("b");
   auto step = [&](const rr::step_plan& plan) {
@@ -233,12 +237,36 @@ TEST_CASE("step_planner: a device scatter's common step is planned while it is v
   CHECK(recompute.runs[0].recorded_after == 5);
   CHECK(recompute.runs[1].recorded_after == 3);
   CHECK(recompute.ops.size() == 1);  // b's rows stay (first write wins): a's piece alone
-  // drafts go the long way too, and open their group
+  // drafts go the long way too, and open their group; b's run beside them is planned
   plan.clear();
   plan.schedule(rr::request_handle{a, 0}, 5, 2, 1);
+  plan.schedule(rr::request_handle{b, 0}, 3, 1);
   const auto drafted = step(plan);
-  CHECK(drafted.ops.size() == 1);
+  REQUIRE(drafted.runs.size() == 2);
+  CHECK(drafted.runs[0].handle == a);  // batch order, whichever way each run went
+  CHECK(drafted.runs[0].num_draft == 1);
+  CHECK(drafted.ops.size() == 2);
   CHECK(p.requests[a].drafts.size() == 1);
+  CHECK(p.requests[b].recorded_rows == 4);
+  // a request that grows (past its first segment's 512 rows) goes the long way in a step whose
+  // other run is planned
+  p.filer.accept_draft("a", a, 1, p.requests, p.planner.ended_serial());
+  plan.clear();
+  plan.schedule(rr::request_handle{b, 0}, 4, 1);
+  plan.schedule(rr::request_handle{a, 0}, 509, 7);
+  const auto bytes_before = p.filer.store().bytes_in_use();
+  const auto grows        = step(plan);
+  CHECK(p.filer.store().bytes_in_use() > bytes_before);
+  REQUIRE(grows.runs.size() == 2);
+  CHECK(grows.runs[0].handle == b);
+  CHECK(grows.runs[1].recorded_before == 7);
+  CHECK(grows.runs[1].recorded_after == 516);
+  REQUIRE(grows.ops.size() == 3);  // b's planned piece first, then a's rows on both sides of its new segment
+  CHECK(grows.ops[0].dst == decode.ops[1].dst + 2 * p.filer.row_elems());
+  CHECK(grows.ops[1].elems + grows.ops[2].elems == 7 * p.filer.row_elems());
+  CHECK(grows.ops[1].dst == first.ops[0].dst + 509 * p.filer.row_elems());
+  CHECK(p.requests[a].recorded_rows == 516);
+  CHECK(p.requests[b].recorded_rows == 5);
 }
 
 TEST_CASE("step_planner: block-slot plans check slots and blocks, then claim every row when the step opens")

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -79,12 +80,12 @@ class step_planner {
     auto& store = filer.store();
     ++attempt_;
     store.begin_validation();
-    // the common step's claims are planned in this pass (Filer::plans_fresh_runs): the record is
-    // free (no step is open) and what is written to it here is not observable until open()
-    planned_ = Filer::plans_fresh_runs;
+    // Filer::plans_fresh_runs: every run goes into the record in this pass, and the common ones
+    // with their pieces; the record is free (no step is open) and nothing reads it before open()
     if constexpr (Filer::plans_fresh_runs) {
       record_.runs.clear();
       record_.ops.clear();
+      unplanned_.clear();
       record_.runs.reserve(plan.entries().size());
       filer.reserve_pieces(record_, plan.num_rows());
     }
@@ -116,14 +117,14 @@ class step_planner {
       has_drafts_ = has_drafts_ || s.num_draft_tokens > 0;
       if constexpr (Filer::plans_fresh_runs) {
         // a run planned fresh lies in storage it already has: it does not grow
-        if (planned_ && filer.plan_fresh(record_, h, r, s, entry.first_row)) { continue; }
-        planned_ = false;
+        if (filer.plan_fresh(record_, h, r, s, entry.first_row)) { continue; }
+        unplanned_.push_back(static_cast<std::uint32_t>(record_.runs.size()));  // claimed when the step opens
+        record_.runs.push_back({h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, -1});
       }
       growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
     }
     handles_.resize(static_cast<std::size_t>(next_handle - handles_.data()));
-    grows_   = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
-    planned_ = planned_ && !grows_;  // growth moves the last segment the pieces were planned in
+    grows_ = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
     store.check_blocks(plan.fresh_blocks(), "fresh");
     // doubling every request that grows would cross the limit: grow each exactly, if that fits
     exact_growth_ = store.bytes_in_use() + growth > store.limit();
@@ -151,10 +152,8 @@ class step_planner {
   void open(const step_plan& plan, request_registry& requests, Filer& filer)
   {
     if constexpr (Filer::plans_fresh_runs) {
-      if (planned_) {
-        open_planned(plan, requests, filer);
-        return;
-      }
+      open_planned(plan, requests, filer);
+      return;
     }
     auto& store             = filer.store();
     step_record<Index>& out = record_;
@@ -196,7 +195,10 @@ class step_planner {
       }
       out.runs.push_back(
         {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});
-      if (s.num_draft_tokens > 0) { r.drafts.push_back(draft_group_of(s, slots_begin >= 0)); }
+      if (s.num_draft_tokens > 0) {
+        r.drafts.push_back(draft_group_of(s.first_position, s.num_tokens, s.num_draft_tokens,
+                                          slots_begin >= 0 ? s.slots : std::span<const std::int64_t>{}));
+      }
       // in the same pass (a request appears once in a plan: its claims depend on its own run, and
       // on earlier runs' claims of shared slots, never on later runs)
       if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, out.runs.back(), r); }
@@ -204,21 +206,55 @@ class step_planner {
     open_ = true;
   }
 
-  /// @brief open() of a step whose every run validate() planned (Filer::plans_fresh_runs): its
-  /// runs and pieces are in the record; what is left is to claim them, one short pass.
+  /// @brief open() where validate() put every run in the record (Filer::plans_fresh_runs): the
+  /// common ones with their pieces, to be claimed here in one short step each; the others (growth,
+  /// a recomputed position, drafts) the long way, in the same pass, batch order kept. A request's
+  /// claims depend on its own run alone, so growing one request or claiming it row by row leaves
+  /// the pieces planned for the others where they were.
   template <class Filer>
   void open_planned(const step_plan& plan, request_registry& requests, Filer& filer)
   {
-    record_.fresh_blocks.reserve(plan.fresh_blocks().size());  // may throw: nothing changed
+    auto& store = filer.store();
+    auto& runs  = record_.runs;
+    // every allocation first: if one fails, storage grown for the step is given back
+    record_.fresh_blocks.reserve(plan.fresh_blocks().size());
+    if (!unplanned_.empty()) {
+      record_.replaced.reserve(tokens_);
+      record_.taken.reserve(tokens_);
+      grew_.resize(std::max(grew_.size(), unplanned_.size()));
+      for (const std::uint32_t i : unplanned_) {
+        if (runs[i].num_draft > 0) { requests[runs[i].handle].drafts.reserve(requests[runs[i].handle].drafts.size() + 1); }
+      }
+    }
+    std::size_t grown = 0;
+    try {
+      for (; grows_ && grown < unplanned_.size(); ++grown) {
+        const step_run& run = runs[unplanned_[grown]];
+        grew_[grown]        = store.reserve(run.handle, run.first_position + run.num_tokens, exact_growth_);
+      }
+    } catch (...) {
+      while (grown-- > 0) {
+        if (grew_[grown]) { store.undo_reserve(runs[unplanned_[grown]].handle); }
+      }
+      throw;
+    }
     // nothing below allocates or throws
-    planned_ = false;
     start_record(plan, true);
-    filer.store().refresh_blocks(record_.fresh_blocks);
-    for (const step_run& run : record_.runs) {
-      auto& r      = requests[run.handle];
-      r.open_step  = serial_;
-      r.reads_step = serial_;
-      filer.commit_fresh(run, r, serial_);
+    store.refresh_blocks(record_.fresh_blocks);
+    const std::uint32_t* next_unplanned = unplanned_.data();
+    const std::uint32_t* last_unplanned = next_unplanned + unplanned_.size();
+    for (std::uint32_t i = 0; i < runs.size(); ++i) {
+      step_run& run = runs[i];
+      auto& r       = requests[run.handle];
+      r.open_step   = serial_;
+      r.reads_step  = serial_;
+      if (next_unplanned == last_unplanned || *next_unplanned != i) {
+        filer.commit_fresh(run, r, serial_);
+        continue;
+      }
+      ++next_unplanned;
+      if (run.num_draft > 0) { r.drafts.push_back(draft_group_of(run.first_position, run.num_tokens, run.num_draft)); }
+      filer.claim_planned(record_, run, r);
     }
     open_ = true;
   }
@@ -318,13 +354,18 @@ class step_planner {
     throw error{errc::duplicate_request, "step plan schedules request " + id.to_string() + " twice"};
   }
 
-  [[nodiscard]] draft_group draft_group_of(const scheduled_request& s, bool with_slots) const
+  // The draft group of a run of the step being opened: its trailing `num_draft` of `num_tokens`
+  // tokens from `first_position`, with the last `num_draft` of `slots` (block-slot storage).
+  [[nodiscard]] draft_group draft_group_of(std::int64_t first_position,
+                                           std::int32_t num_tokens,
+                                           std::int32_t num_draft,
+                                           std::span<const std::int64_t> slots = {}) const
   {
     draft_group g;
     g.step_serial    = serial_;
-    g.first_position = s.first_position + (s.num_tokens - s.num_draft_tokens);
-    g.count          = s.num_draft_tokens;
-    if (with_slots) { std::copy(s.slots.end() - s.num_draft_tokens, s.slots.end(), g.slots.begin()); }
+    g.first_position = first_position + (num_tokens - num_draft);
+    g.count          = num_draft;
+    if (!slots.empty()) { std::copy(slots.end() - num_draft, slots.end(), g.slots.begin()); }
     return g;
   }
 
@@ -335,11 +376,11 @@ class step_planner {
   bool exact_growth_     = false;
   bool grows_            = false;  // some run of the validated plan needs more storage
   bool has_drafts_       = false;  // some run of the validated plan has draft tokens
-  bool planned_          = false;  // validate() planned every run's claims: open() commits them
   std::size_t tokens_    = 0;      // tokens of the validated plan's runs
   bool open_             = false;
   std::vector<std::uint32_t> handles_;  // the plan's runs' handles, found once by validate()
   std::vector<char> grew_;              // per run of the plan being opened: its storage grew
+  std::vector<std::uint32_t> unplanned_;  // Filer::plans_fresh_runs: runs validate() left to open()
   step_record<Index> record_;           // the open step's record
 };
 
