@@ -31,7 +31,9 @@ namespace routing_replay::detail {
 /// A request's range grows by segments from a row_arena (each at least doubling its capacity, or
 /// exactly what a step needs when doubling would cross host_memory_limit), mapped one after the
 /// other into the range: the host sees the request's rows contiguous, and kernels write them at
-/// the segments' arena addresses (device_pieces()). Nothing is ever copied to grow.
+/// the segments' arena addresses (device_pieces()). Nothing is ever copied to grow. Where kernels
+/// write the rows, a segment is mapped into the range when the host first reads the request's rows
+/// (extraction), not when the step that needs it begins.
 ///
 /// Which positions hold a row is metadata (the serial of the step that claimed each one), never
 /// read from the rows: claims can be made when a step begins, before its rows arrive, and rows
@@ -80,6 +82,9 @@ class per_request_store {
     std::size_t tail_start = 0;                      // bytes of the range before the last segment
     std::byte* tail_address = nullptr;               // the last segment's first byte, as kernels reach it
     std::int64_t claimed_end = 0;                    // no position at or past it holds a claim
+    // Bytes at the range's start mapped for the host; below `capacity` only where kernels write the
+    // rows: their segments are mapped into the range when the host first reads it (host_view()).
+    mutable std::size_t mapped = 0;
     claim_run recent;                                // claims not yet in claimed_by
     std::vector<typename arena_type::block> segments;  // mapped one after the other
     std::vector<std::uint64_t> claimed_by;           // per position: the claiming step, 0 if none
@@ -202,14 +207,16 @@ class per_request_store {
     const std::size_t bytes = arena_.block_bytes(order);
     evict_parked_beyond(bytes);
     const auto segment = arena_.allocate(order);
-    // Where the host files the rows, the range is populated now, in one call, rather than page by
-    // page as filing first touches it. Where kernels write them (at the arena's addresses), the
-    // host's range is first read at extraction: its page-table entries wait until then.
-    constexpr int populate = RowMemory::device_writable ? 0 : MAP_POPULATE;
-    if (::mmap(r.view + r.capacity, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | populate, arena_.fd(),
-               static_cast<off_t>(segment.offset)) == MAP_FAILED) {
-      arena_.release(segment);
-      throw_system_error("mmap of a row segment");
+    // Where the host files the rows, the segment is mapped into the range now, populated in one
+    // call rather than page by page as filing first touches it. Where kernels write them (at the
+    // arena's addresses), the host first reads the range at extraction: the segment is mapped then
+    // (host_view()), off the step (a mapping costs 15 us on the CPU machine, and a decode step of
+    // requests that started at different times grows one or two of them).
+    if constexpr (!RowMemory::device_writable) {
+      if (!map_segment(r.view + r.capacity, segment)) {
+        arena_.release(segment);
+        throw_system_error("mmap of a row segment");
+      }
     }
     try {
       r.segments.push_back(segment);
@@ -221,6 +228,7 @@ class per_request_store {
       throw;
     }
     r.capacity += bytes;
+    if constexpr (!RowMemory::device_writable) { r.mapped = r.capacity; }
     set_tail(r);
     return true;
   }
@@ -241,6 +249,7 @@ class per_request_store {
     const std::size_t bytes = arena_.block_bytes(segment.order);
     r.segments.pop_back();
     r.capacity -= bytes;
+    r.mapped = std::min(r.mapped, r.capacity);
     r.claimed_by.resize(r.capacity / row_bytes_);
     r.claimed_end = std::min(r.claimed_end, static_cast<std::int64_t>(r.claimed_by.size()));
     set_tail(r);
@@ -384,6 +393,7 @@ class per_request_store {
     auto& r = rows_[h];
     settle(r);
     if (count == 0 || static_cast<std::size_t>(first + count) > r.claimed_by.size()) { return nullptr; }
+    host_view(r);
     for (std::int64_t p = first; p < first + count; ++p) {
       const std::uint64_t by = r.claimed_by[static_cast<std::size_t>(p)];
       if (by > filed_through_) { return nullptr; }
@@ -408,6 +418,7 @@ class per_request_store {
     const std::uint64_t by =
       r.recent.holds(position) ? r.recent.serial_at(position) : r.claimed_by[static_cast<std::size_t>(position)];
     if (by == 0 || by > filed_through_) { return false; }
+    host_view(r);
     std::memcpy(out, row_at(r, position), row_bytes_);
     return true;
   }
@@ -419,6 +430,7 @@ class per_request_store {
   struct parked_range {
     std::byte* view = nullptr;
     std::size_t capacity = 0;
+    std::size_t mapped   = 0;  // request_rows::mapped
     std::vector<typename arena_type::block> segments;
     std::uint64_t last_claim = 0;  // no kernel writes it once every step up to here was filed
   };
@@ -441,6 +453,7 @@ class per_request_store {
     bare_.push_back(r.view);  // no allocation: room was made above
     r.view        = best->view;
     r.capacity    = best->capacity;
+    r.mapped      = best->mapped;
     r.segments    = std::move(best->segments);
     r.claimed_end = 0;
     r.recent      = {};
@@ -498,6 +511,7 @@ class per_request_store {
     r.segments.clear();
     r.claimed_by.clear();
     r.capacity    = 0;
+    r.mapped      = 0;
     r.claimed_end = 0;
     r.recent      = {};
     set_tail(r);
@@ -519,7 +533,7 @@ class per_request_store {
   // Moves the range of `r` to the parked list (room reserved: nothing allocates); the caller resets `r`.
   void park(request_rows& r) noexcept
   {
-    parked_.push_back({r.view, r.capacity, std::move(r.segments), r.last_claim});
+    parked_.push_back({r.view, r.capacity, r.mapped, std::move(r.segments), r.last_claim});
     parked_bytes_ += r.capacity;
   }
 
@@ -559,6 +573,31 @@ class per_request_store {
   {
     const std::size_t units = std::max<std::size_t>(1, (bytes + base - 1) / base);
     return static_cast<int>(std::bit_width(std::bit_ceil(units)) - 1);
+  }
+
+  // Maps `segment` of the arena at `at`, in a request's reserved range.
+  [[nodiscard]] bool map_segment(std::byte* at, const typename arena_type::block& segment) const noexcept
+  {
+    constexpr int populate = RowMemory::device_writable ? 0 : MAP_POPULATE;  // kernels wrote the pages
+    return ::mmap(at, arena_.block_bytes(segment.order), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | populate,
+                  arena_.fd(), static_cast<off_t>(segment.offset)) != MAP_FAILED;
+  }
+
+  // Maps the segments of `r` the host has not seen yet into its range (kernels write rows at the
+  // arena's addresses; reserve() leaves their mapping to the first read).
+  // @throws error host_memory_exhausted if the system refuses the mapping
+  void host_view(const request_rows& r) const
+  {
+    if (r.mapped == r.capacity) { return; }
+    std::size_t start = 0;
+    for (const auto& s : r.segments) {
+      const std::size_t bytes = arena_.block_bytes(s.order);
+      if (start >= r.mapped) {
+        if (!map_segment(r.view + start, s)) { throw_system_error("mmap of a row segment"); }
+        r.mapped = start + bytes;
+      }
+      start += bytes;
+    }
   }
 
   // Turns [at, at + bytes) of a reserved range back into a bare reservation.
