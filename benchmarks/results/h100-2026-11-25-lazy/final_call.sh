@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One nvidia-h200 call for the tree that ends this stop (carry .deps .baseline): the Python package
+# is built in the background while scripts/gpu_check.sh builds and runs the GPU checks; then
+# alternating rounds of the C++ engine loop (head vs .baseline, device scatter, both storages,
+# eager and graph, decode B1024 and B64) until ROUND_BUDGET_S; then the Python suite on the GPU
+# (scripts/python_gpu_check.sh, package already built); then begin_probe rounds if time is left.
+# Usage (repository root): OUT=... benchmarks/results/h100-2026-11-25-lazy/final_call.sh
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+out=${OUT:-build/final_call}
+mkdir -p "$out"
+start=$(date +%s)
+here=benchmarks/results/h200-2026-11-25-planned
+( site="$PWD/build/python-gpu-site"; rm -rf "$site"
+  python3 -m pip install -q --no-build-isolation --no-deps --target "$site" ./python \
+    >"$out/python_build.log" 2>&1; echo "python build exit $? at $(( $(date +%s) - start )) s" >>"$out/python_build.log" ) &
+pybuild=$!
+OUT="$out/cpp" SCENARIOS=decode_B1024,decode_B64 ROUND_BUDGET_S=${ROUND_BUDGET_S:-360} \
+  benchmarks/results/h200-2026-11-25-fused/run_cpp.sh 12
+wait "$pybuild"; tail -2 "$out/python_build.log"
+echo "== python check at $(( $(date +%s) - start )) s"
+PY_GPU_SKIP_BUILD=1 scripts/python_gpu_check.sh >"$out/python_gpu_check.log" 2>&1
+echo "python_gpu_check exit $?"; grep -E "passed|failed|bit-exact" "$out/python_gpu_check.log" | tail -3
+if [ $(( $(date +%s) - start )) -lt "${PROBE_AFTER_S:-520}" ]; then
+  OUT="$out/probe" ROUNDS=3 "$here/probe_rounds.sh"
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/machine.txt"
+echo "== done in $(( $(date +%s) - start )) s"
