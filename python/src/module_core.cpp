@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -26,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace nb = nanobind;

@@ -96,7 +96,7 @@ class host_queue {
     {
       std::lock_guard lock{mutex_};
       tasks_.push_back(std::move(task));
-      posted_.store(++enqueued_, std::memory_order_release);
+      enqueued_.fetch_add(1, std::memory_order_release);
       sleeping = sleeping_;
     }
     // A worker still in its idle spin sees the task without a wake: waking a sleeping thread is a
@@ -109,7 +109,7 @@ class host_queue {
   void synchronize()
   {
     std::unique_lock lock{mutex_};
-    const std::uint64_t target = enqueued_;
+    const std::uint64_t target = enqueued_.load(std::memory_order_relaxed);
     idle_.wait(lock, [&] { return completed_ >= target; });
     throw_if_failed(std::exchange(failure_, std::nullopt));
   }
@@ -121,7 +121,7 @@ class host_queue {
   {
     if (std::this_thread::get_id() == worker_.get_id()) { return; }
     std::unique_lock lock{mutex_};
-    const std::uint64_t target = enqueued_;
+    const std::uint64_t target = enqueued_.load(std::memory_order_relaxed);
     idle_.wait(lock, [&] { return completed_ >= target; });
   }
 
@@ -139,7 +139,7 @@ class host_queue {
     std::unique_lock lock{mutex_};
     for (;;) {
       if (tasks_.empty() && !stopping_) {
-        const std::uint64_t seen = enqueued_;
+        const std::uint64_t seen = enqueued_.load(std::memory_order_relaxed);
         lock.unlock();
         spin_while_idle(seen);
         lock.lock();
@@ -173,7 +173,7 @@ class host_queue {
   void spin_while_idle(std::uint64_t seen) const noexcept
   {
     const auto until = std::chrono::steady_clock::now() + idle_spin;
-    while (posted_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
+    while (enqueued_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
       std::this_thread::yield();
     }
   }
@@ -185,9 +185,8 @@ class host_queue {
   std::condition_variable wake_;
   std::condition_variable idle_;
   std::deque<std::function<void()>> tasks_;
-  std::uint64_t enqueued_  = 0;
+  std::atomic<std::uint64_t> enqueued_{0};  // written under the mutex; the idle spin reads it without
   std::uint64_t completed_ = 0;
-  std::atomic<std::uint64_t> posted_{0};  // enqueued_, readable without the mutex (the idle spin)
   task_failure failure_;
   bool stopping_ = false;
   bool sleeping_ = false;  // the worker waits on wake_: enqueue() must notify
