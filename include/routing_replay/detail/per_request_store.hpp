@@ -170,6 +170,8 @@ class per_request_store {
   void begin_validation() noexcept {}
   /// @brief Checks the slots of a scheduled request (nothing to check: rows live at positions).
   void check_slots(std::span<const std::int64_t>, std::int32_t) const noexcept {}
+  /// @brief Nothing to fetch ahead: slots are not used here.
+  void prefetch(std::span<const std::int64_t>) const noexcept {}
   /// @brief Checks blocks declared fresh (nothing to check: rows do not live in KV blocks).
   void check_blocks(std::span<const std::int64_t>, const char*) const noexcept {}
   /// @brief Nothing to do: rows do not live in KV blocks.
