@@ -198,3 +198,34 @@ def test_request_ids_are_cached_and_forgotten(device):
     # a step whose requests have no tokens is no step, and what its forward staged is forgotten
     capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, []), {"r2": 0})
     assert "r2" not in capturer.replay
+
+
+def test_request_id_objects_come_and_go(device):
+    """vLLM passes the same id strings every step, which the drop-in looks up by address first;
+    an engine may as well build new but equal ids each step, release a request through another
+    object than the one it was scheduled with, or reuse an id object for a new request."""
+    n = 600  # past the first table size of the by-address look-up: it grows while requests live
+    capturer = RoutedExpertsCapturer(L, K, 1024, MAX_LEN, 0, device.name, num_experts=E)
+    kept = [f"q{i}" for i in range(n)]  # the same objects every step
+
+    def step(ids, position, value):
+        rows = np.full((len(ids), K), value, dtype=np.int64)
+        for layer in range(L):
+            capturer.capture(layer, make_array(device, rows))
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [position] * len(ids)), dict.fromkeys(ids, 1))
+
+    for position in range(3):
+        step(kept, position, 1)
+        step([f"f{i}" for i in range(n)], position, 2)  # new objects every step
+    capturer.finalize_pending_copy()
+    assert capturer.replay.num_requests == 2 * n
+    for i in (0, n // 2, n - 1):
+        np.testing.assert_array_equal(capturer.get_routed_experts("".join(["q", str(i)])), np.full((3, L, K), 1))
+        np.testing.assert_array_equal(capturer.get_routed_experts(kept[i].replace("q", "f")), np.full((3, L, K), 2))
+    # released through equal objects: the objects still held by the engine now name new requests
+    step([kept[0], kept[n // 2]], 0, 3)
+    step([kept[0]], 1, 4)
+    capturer.finalize_pending_copy()
+    np.testing.assert_array_equal(capturer.get_routed_experts(kept[0])[:, 0, 0], [3, 4])
+    np.testing.assert_array_equal(capturer.get_routed_experts(kept[n // 2])[:, 0, 0], [3])
+    assert capturer.replay.num_requests == 2 * n - 6
