@@ -227,12 +227,17 @@ class DropInDriver:
                                          index=ARGS.index, layout=ARGS.layout, **ahead_kw())
         self.capture = self.cap.capture
         self.replay = self.cap.replay
+        self.names = {}  # --ids kept: request -> its id object
 
     def before(self, sched, sync):
         return 0.0, 0.0
 
     def after(self, sched, positions=None):
-        num = {f"r{r}": t for (r, _, t) in sched}
+        if ARGS.ids == "kept":  # the same id objects every step, as vLLM's input batch keeps them
+            names = self.names
+            num = {names.setdefault(r, f"r{r}"): t for (r, _, t) in sched}
+        else:  # new id objects every step
+            num = {f"r{r}": t for (r, _, t) in sched}
         t0 = time.perf_counter()
         self.cap.sync_fwd_experts_buffer_DtoH(positions, num)
         return (time.perf_counter() - t0) * 1e6
@@ -240,7 +245,7 @@ class DropInDriver:
     def extract(self, r, length):
         x0 = time.perf_counter()
         self.cap.finalize_pending_copy()
-        arr = self.cap.get_routed_experts(f"r{r}", seqlen=length)
+        arr = self.cap.get_routed_experts(self.names.pop(r, f"r{r}"), seqlen=length)
         return arr, (time.perf_counter() - x0) * 1e6
 
 
@@ -380,6 +385,7 @@ def run(api, mode, name, steps, warm, cuda):
                storage=ARGS.storage if replay_steps else ("per_request" if api == "dropin" else None),
                plan=(("handles" if drv.columnar else "per_request") if replay_steps
                      else ("dict" if api == "dropin" else None)),
+               ids=ARGS.ids if api == "dropin" else None,
                host_memory_ahead=ARGS.host_memory_ahead, requests=med(reqs), host_us=host, per_request_ns=round(1e3 * host / med(reqs), 1) if host else None,
                capture_us=med([t * 1e6 for t in cap_t]) if cap_t else None, step_us=med(step_t),
                extract_us=med(xs), correct=ok, steps=len(host_t))
@@ -403,6 +409,9 @@ def main():
     ap.add_argument("--decode-steps", type=int, default=40)
     ap.add_argument("--prefill-steps", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=1 << 16)
+    ap.add_argument("--ids", default="new", choices=("new", "kept"),
+                    help="the drop-in's request ids: new str objects every step (the dict built afresh) or the "
+                         "same objects every step (as vLLM's input batch keeps them)")
     ap.add_argument("--host-memory-ahead", type=int, default=None,
                     help="per-request storage: bytes mapped ahead by a worker thread (default: one step's rows)")
     ARGS = ap.parse_args()

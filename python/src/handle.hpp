@@ -12,8 +12,6 @@
 
 #include <nanobind/nanobind.h>
 
-#include <algorithm>
-#include <bit>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -102,129 +100,6 @@ class snapshot_pool : public std::enable_shared_from_this<snapshot_pool> {
   std::vector<std::vector<std::int64_t>> free_;
 };
 
-/// @brief The staging path's first look-up of a request id: the id object's address -> handle
-/// bits, for an engine that passes the same id objects step after step (vLLM's scheduler keeps its
-/// requests' id strings). A table of 4-way buckets of one cache line each: a multiply and a compare
-/// or four per request, where the dict look-up by value behind it cost about 140 instructions a
-/// request in the drop-in's post-forward call (callgrind, decode B1024). A miss (a new object, or
-/// one pushed out of a full bucket) falls back to the look-up by value and takes a way.
-///
-/// Each entry holds a reference to its id object, so an address it knows never names another
-/// object; there is at most one entry per request (the latest object seen for it), dropped when the
-/// request is released or aborted (forget()), before its handle index can name another request.
-/// Every call needs the GIL.
-class id_object_cache {
- public:
-  id_object_cache() = default;
-  id_object_cache(id_object_cache&& other) noexcept
-    : slots_(std::move(other.slots_)),
-      slot_of_(std::move(other.slot_of_)),
-      entries_(std::exchange(other.entries_, 0)),
-      shift_(other.shift_)
-  {
-  }
-  id_object_cache& operator=(id_object_cache&&)      = delete;
-  id_object_cache(const id_object_cache&)            = delete;
-  id_object_cache& operator=(const id_object_cache&) = delete;
-  ~id_object_cache()
-  {
-    for (const entry& e : slots_) { Py_XDECREF(e.key); }
-  }
-
-  /// @brief The handle bits remembered for the object `key`, if any.
-  [[nodiscard]] std::optional<std::uint64_t> find(PyObject* key) const noexcept
-  {
-    if (slots_.empty()) { return std::nullopt; }
-    const entry* bucket = slots_.data() + bucket_of(key);
-    for (std::size_t way = 0; way < ways; ++way) {
-      if (bucket[way].key == key) { return bucket[way].bits; }
-    }
-    return std::nullopt;
-  }
-
-  /// @brief Remembers that the object `key` names the request whose handle is `bits`, in place of
-  /// any object remembered for that request (and, in a full bucket, of another request's).
-  void remember(PyObject* key, std::uint64_t bits)
-  {
-    const auto index = static_cast<std::uint32_t>(bits);  // request_handle::bits(): the index is the low half
-    if (index >= slot_of_.size()) { slot_of_.resize(static_cast<std::size_t>(index) + 1, no_slot); }
-    if (2 * (entries_ + 1) > slots_.size()) { grow(); }
-    forget(index);
-    const std::size_t bucket = bucket_of(key);
-    std::size_t at           = bucket;  // way 0 goes if the bucket is full
-    for (std::size_t way = 0; way < ways; ++way) {
-      if (slots_[bucket + way].key == nullptr) {
-        at = bucket + way;
-        break;
-      }
-    }
-    if (slots_[at].key != nullptr) { drop(at); }
-    Py_INCREF(key);
-    slots_[at]      = entry{key, bits};
-    slot_of_[index] = static_cast<std::uint32_t>(at);
-    ++entries_;
-  }
-
-  /// @brief Forgets the object remembered for the request of handle index `index`, if any.
-  void forget(std::uint32_t index) noexcept
-  {
-    if (index < slot_of_.size() && slot_of_[index] != no_slot) { drop(slot_of_[index]); }
-  }
-
- private:
-  struct entry {
-    PyObject* key      = nullptr;
-    std::uint64_t bits = 0;  // request_handle::bits()
-  };
-  static constexpr std::size_t ways        = 4;  // 4 entries of 16 bytes: one cache line
-  static constexpr std::uint32_t no_slot   = 0xffffffffu;
-  static constexpr std::size_t first_slots = 1024;
-
-  // The first slot of the bucket of `key`: Fibonacci hashing of its address (objects are 16-byte
-  // aligned), the product's top bits.
-  [[nodiscard]] std::size_t bucket_of(PyObject* key) const noexcept
-  {
-    const auto address = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(key) >> 4);
-    return static_cast<std::size_t>((address * 0x9E3779B97F4A7C15ull) >> shift_) * ways;
-  }
-
-  void drop(std::size_t at) noexcept
-  {
-    PyObject* key = std::exchange(slots_[at].key, nullptr);
-    slot_of_[static_cast<std::uint32_t>(slots_[at].bits)] = no_slot;
-    --entries_;
-    Py_DECREF(key);  // last: freeing the id may run Python code, which must find the table consistent
-  }
-
-  // Doubles the table (at first_slots at least), keeping what fits: an entry whose bucket is full
-  // there is dropped, and its request falls back to the dict once.
-  void grow()
-  {
-    std::vector<entry> old = std::exchange(slots_, std::vector<entry>(std::max(first_slots, 2 * slots_.size())));
-    shift_                 = 64 - static_cast<unsigned>(std::countr_zero(slots_.size() / ways));
-    entries_               = 0;
-    std::fill(slot_of_.begin(), slot_of_.end(), no_slot);
-    for (const entry& e : old) {
-      if (e.key == nullptr) { continue; }
-      const std::size_t bucket = bucket_of(e.key);
-      std::size_t way          = 0;
-      while (way < ways && slots_[bucket + way].key != nullptr) { ++way; }
-      if (way == ways) {
-        Py_DECREF(e.key);
-        continue;
-      }
-      slots_[bucket + way]                          = e;
-      slot_of_[static_cast<std::uint32_t>(e.bits)] = static_cast<std::uint32_t>(bucket + way);
-      ++entries_;
-    }
-  }
-
-  std::vector<entry> slots_;            // buckets of `ways` entries
-  std::vector<std::uint32_t> slot_of_;  // per handle index: the slot of its entry, or no_slot
-  std::size_t entries_ = 0;
-  unsigned shift_      = 64;
-};
-
 /// @brief One replay as Python sees it.
 struct replay_handle {
   /// @brief Takes over an instantiation running on `kind`, on CUDA device `device`.
@@ -272,12 +147,10 @@ struct replay_handle {
   std::unordered_map<std::uint32_t, std::int64_t> views;
   std::int64_t live_views = 0;  ///< sum of `views`
   plan_holder staged_plan;      ///< the plan the staging path builds each step
-  /// @brief Staging path: request id -> handle bits, by value (a Python dict, so a look-up uses the
-  /// hash Python caches in its str objects, no string copies), behind `id_objects`. Entries go when
-  /// the request is released or aborted.
+  /// @brief Staging path: request id object -> handle bits (a Python dict, so a step's lookups
+  /// use the hashes Python caches in its str objects: one probe per request, no string copies).
+  /// Entries go when the request is released or aborted.
   nanobind::dict id_cache;
-  /// @brief Staging path: request id object -> handle bits, by address: the look-up tried first.
-  id_object_cache id_objects;
 };
 
 /// @brief Creates a replay of the instantiation `table` holds for the policy names.

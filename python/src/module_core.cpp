@@ -247,36 +247,25 @@ void plan_schedule_handles(plan_holder& p, nb::handle handles, nb::handle first_
   }
 }
 
-/// The handle of request id object `id` on the staging path: the one remembered for this object,
-/// else from the replay's id cache (one dict probe with the hash Python keeps in the str), else the
-/// live request's, else a new request's.
+/// The handle of request id object `id` on the staging path: from the replay's id cache (one dict
+/// probe with the hash Python keeps in the str), else the live request's, else a new request's.
 request_handle cached_handle(replay_handle& h, PyObject* id)
 {
-  if (const auto bits = h.id_objects.find(id)) { return request_handle::from_bits(*bits); }
   if (PyBool_Check(id)) { throw nb::type_error("request ids are int or str"); }  // True would find 1
-  request_handle handle;
   if (PyObject* bits = PyDict_GetItemWithError(h.id_cache.ptr(), id); bits != nullptr) {
-    handle = request_handle::from_bits(PyLong_AsUnsignedLongLong(bits));
-  } else {
-    if (PyErr_Occurred() != nullptr) { throw nb::python_error(); }  // an unhashable id
-    const request_key key      = key_of(id);
-    handle                     = h.impl->contains(key) ? h.impl->handle(key) : h.impl->add_request(key, {});
-    h.id_cache[nb::handle{id}] = handle.bits();
+    return request_handle::from_bits(PyLong_AsUnsignedLongLong(bits));
   }
-  h.id_objects.remember(id, handle.bits());
+  if (PyErr_Occurred() != nullptr) { throw nb::python_error(); }  // an unhashable id
+  const request_key key = key_of(id);
+  const request_handle handle = h.impl->contains(key) ? h.impl->handle(key) : h.impl->add_request(key, {});
+  h.id_cache[nb::handle{id}] = handle.bits();
   return handle;
 }
 
-/// Forgets a released or aborted request's id in the staging path's caches.
+/// Forgets a released or aborted request's id in the staging path's cache.
 void forget_cached_id(replay_handle& h, nb::handle id)
 {
-  PyObject* bits = PyDict_GetItemWithError(h.id_cache.ptr(), id.ptr());
-  if (bits == nullptr) {  // never cached (an unhashable id was refused before)
-    PyErr_Clear();
-    return;
-  }
-  h.id_objects.forget(request_handle::from_bits(PyLong_AsUnsignedLongLong(bits)).index);
-  if (PyDict_DelItem(h.id_cache.ptr(), id.ptr()) != 0) { PyErr_Clear(); }
+  if (PyDict_DelItem(h.id_cache.ptr(), id.ptr()) != 0) { PyErr_Clear(); }  // never cached
 }
 
 /// Staging path, one step: the requests of `scheduled` ({id: tokens}, in batch order) at the

@@ -201,10 +201,10 @@ def test_request_ids_are_cached_and_forgotten(device):
 
 
 def test_request_id_objects_come_and_go(device):
-    """vLLM passes the same id strings every step, which the drop-in looks up by address first;
-    an engine may as well build new but equal ids each step, release a request through another
-    object than the one it was scheduled with, or reuse an id object for a new request."""
-    n = 600  # past the first table size of the by-address look-up: it grows while requests live
+    """Ids are looked up by value: vLLM passes the same id strings every step, an engine may as well
+    build new but equal ids each step, release a request through another object than the one it
+    was scheduled with, or reuse an id object for a new request."""
+    n = 600
     capturer = RoutedExpertsCapturer(L, K, 1024, MAX_LEN, 0, device.name, num_experts=E)
     kept = [f"q{i}" for i in range(n)]  # the same objects every step
 
