@@ -211,18 +211,14 @@ class row_filer {
       dst = store_.fresh_destination(h, s.first_position, s.num_tokens);
       if (dst == nullptr) { return false; }
     }
-    // written field by field where it lives: a run built aside and copied in would be reloaded
-    // wide from narrow stores (a store-forwarding stall, as step_plan::entry explains)
-    step_run& run       = step.runs.emplace_back();
-    run.handle          = h;
-    run.generation      = r.generation;
-    run.first_row       = first_row;
-    run.first_position  = s.first_position;
-    run.num_tokens      = s.num_tokens;
-    run.num_draft       = 0;
-    run.slots_begin     = -1;
-    run.recorded_before = r.recorded_rows;
-    run.recorded_after  = dst != nullptr ? std::max(r.recorded_rows, s.first_position + s.num_tokens) : r.recorded_rows;
+    // built where it lives, each field written once: a run built aside and copied in would be
+    // reloaded wide from narrow stores (a store-forwarding stall, as step_plan::entry explains), and
+    // emplace_back() then assignments zeroed every field before writing it (callgrind: 9
+    // instructions, 7 of them stores, a run)
+    const std::int64_t recorded_after =
+      dst != nullptr ? std::max(r.recorded_rows, s.first_position + s.num_tokens) : r.recorded_rows;
+    step.runs.emplace_back(h, r.generation, first_row, s.first_position, s.num_tokens, std::int32_t{0},
+                           std::int64_t{-1}, r.recorded_rows, recorded_after);
     if (dst == nullptr) { return true; }
     // one piece, on its own: the next run's rows go to another request's range, which it does not
     // continue in practice (add_piece() would look)
@@ -231,12 +227,7 @@ class row_filer {
       add_cut_piece(step.ops, {dst, nullptr, first_row * row_elems_, elems, false});
       return true;
     }
-    detail::scatter_op<Index>& op = step.ops.emplace_back();
-    op.dst                        = dst;
-    op.copy_from                  = nullptr;
-    op.src                        = first_row * row_elems_;
-    op.elems                      = elems;
-    op.replaces                   = false;
+    step.ops.emplace_back(dst, static_cast<const Index*>(nullptr), first_row * row_elems_, elems, false);
     return true;
   }
 
