@@ -82,7 +82,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   store.bind_cached(h, slots);
   store.begin_validation();
   store.check_slots(slots, std::int32_t{1});
-  cstore.prefetch(slots);
+  cstore.prefetch(h, slots);
   cstore.check_blocks(slots, "");
   { cstore.growth_bytes(h, position, true) } -> std::convertible_to<std::size_t>;
   { store.reserve(h, position, true) } -> std::same_as<bool>;

@@ -98,9 +98,7 @@ class step_planner {
     const auto* const end      = plan.entries().data() + plan.entries().size();
     for (const auto& entry : plan.entries()) {
       const scheduled_request& s = entry.request;
-      if constexpr (Filer::store_type::slot_indexed) {
-        if (end - &entry > prefetch_distance) { store.prefetch((&entry)[prefetch_distance].request.slots); }
-      }
+      if (end - &entry > prefetch_distance) { prefetch((&entry)[prefetch_distance].request, requests, store); }
       if (s.num_tokens < 0) { throw_negative_tokens(s); }
       if (entry.skipped) { continue; }
       const std::uint32_t h = requests.find(s.id);
@@ -373,9 +371,23 @@ class step_planner {
     return g;
   }
 
-  // How many runs ahead validate() asks the store to fetch what it will touch: enough to cover a
-  // miss to memory at the few hundred cycles a run takes to check.
+  // How many runs ahead validate() asks for what it will touch: enough to cover a miss to memory
+  // at the few hundred cycles a run takes to check.
   static constexpr std::ptrdiff_t prefetch_distance = 8;
+
+  // Asks the processor for the lines checking and planning `s` will touch first: its request's
+  // state and its entry in the store (or, slot-indexed, its first slot's). Only for a request named
+  // by its handle: finding an id's would cost the hashing a prefetch is meant to hide. Every
+  // function on the way to __builtin_prefetch is always_inline: GCC 12 otherwise found them free
+  // of side effects (ipa-pure-const) and deleted their calls before inlining them, leaving no
+  // prefetch in the binary.
+  template <class Store>
+  [[gnu::always_inline]] static void prefetch(const scheduled_request& s, const request_registry& requests, const Store& store) noexcept
+  {
+    const std::uint32_t h = s.id.is_handle() ? s.id.handle().index : ~std::uint32_t{0};
+    requests.prefetch(h);
+    store.prefetch(h, s.slots);
+  }
 
   std::int64_t max_rows_;
   std::int64_t max_model_len_;

@@ -136,7 +136,8 @@ class block_slot_store {
   /// slot's state and its block's generation), a few requests before the planner gets to them: in a
   /// decoding batch each request's slot lies in its own KV block, so these are cache and TLB misses,
   /// and a request's checks are too long for the processor to start the next request's on its own.
-  void prefetch(std::span<const std::int64_t> slots) const noexcept
+  /// The request's handle `h` (any value) is not needed: its position map is reached through them.
+  [[gnu::always_inline]] void prefetch(std::uint32_t /*h*/, std::span<const std::int64_t> slots) const noexcept
   {
     if (slots.empty() || slots.front() < 0 || slots.front() >= num_slots_) { return; }  // checked later
     __builtin_prefetch(&slots_[static_cast<std::size_t>(slots.front())], 1);
