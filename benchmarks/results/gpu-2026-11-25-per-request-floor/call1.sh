@@ -30,11 +30,13 @@ echo "== C++ rounds from $(( $(date +%s) - start )) s"
 OUT="$out/cpp" SKIP_CHECK=1 SCENARIOS=decode_B1024,decode_B64 ROUND_BUDGET_S=$(( ${ROUND_BUDGET_S:-450} - ($(date +%s) - start) )) \
   benchmarks/results/h200-2026-11-25-fused/run_cpp.sh 12
 cccl=$(dirname "$(command -v nvcc)")/../include
+bin=build/per_request_floor_probes  # not under $OUT: binaries there crowd out the files a call returns
+mkdir -p "$bin"
 for tree in head base; do
   inc=include; [ "$tree" = base ] && inc=.baseline/include
   for probe in begin_probe:benchmarks/results/h200-2026-11-25-planned/begin_probe.cpp per_request_floor_probe:$here/per_request_floor_probe.cpp; do
     g++ -std=c++20 -O3 -DNDEBUG -pthread -I "$inc" -I benchmarks -I "$cccl/cccl" -isystem "$cccl" "${probe#*:}" \
-      -o "$out/${probe%%:*}_$tree" &
+      -o "$bin/${probe%%:*}_$tree" &
   done
 done
 wait
@@ -47,9 +49,9 @@ for round in 1 2 3 4; do
   [ $(( $(date +%s) - start )) -gt "${PROBE_BUDGET_S:-560}" ] && break
   trees="base head"; [ $(( round % 2 )) = 0 ] && trees="head base"
   for tree in $trees; do
-    "$out/per_request_floor_probe_$tree" 1000 0 | tag "$round" "$tree" >>"$out/per_request_floor_probe.jsonl"
-    "$out/per_request_floor_probe_$tree" 1000 1 | tag "$round" "$tree" >>"$out/per_request_floor_probe.jsonl"
-    "$out/begin_probe_$tree" 1000 1024 0 1 | tag "$round" "$tree" >>"$out/begin_probe.jsonl"
+    "$bin/per_request_floor_probe_$tree" 1000 0 | tag "$round" "$tree" >>"$out/per_request_floor_probe.jsonl"
+    "$bin/per_request_floor_probe_$tree" 1000 1 | tag "$round" "$tree" >>"$out/per_request_floor_probe.jsonl"
+    "$bin/begin_probe_$tree" 1000 1024 0 1 | tag "$round" "$tree" >>"$out/begin_probe.jsonl"
   done
 done
 python3 - "$out" <<'PY'
