@@ -219,31 +219,72 @@ void plan_from_positions(plan_holder& p, nb::handle ids, nb::handle counts, nb::
 /// Appends requests by handle, columnar: handles[i] (as add_request returned them) with
 /// num_tokens[i] tokens from first_positions[i], and num_draft_tokens[i] trailing drafts. One native
 /// pass over the arrays: no Python object and no id hashing per request.
+/// A 1-D integer column as schedule_handles() reads it: in place when the array is contiguous and
+/// holds 64-bit integers, or 32-bit signed ones where `int32_too` (what engines keep: 64-bit handles
+/// and positions, 32- or 64-bit counts); otherwise converted into `scratch` as int64 (read_column).
+struct int_column {
+  const void* data   = nullptr;
+  std::size_t size   = 0;
+  std::size_t bytes  = sizeof(std::int64_t);  ///< width of an element: 8, or 4 (int32)
+};
+
+int_column column_in_place(nb::handle column, std::vector<std::int64_t>& scratch, const char* what, bool int32_too)
+{
+  nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu> array;
+  if (nb::try_cast(column, array) && (array.shape(0) <= 1 || array.stride(0) == 1)) {
+    const auto& t      = array.dtype();
+    const bool is_int  = t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int);
+    const bool is_uint = t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt);
+    if (t.lanes == 1 && (is_int || is_uint) && t.bits == 64) { return {array.data(), array.shape(0), 8}; }
+    if (t.lanes == 1 && is_int && t.bits == 32 && int32_too) { return {array.data(), array.shape(0), 4}; }
+  }
+  read_column(column, scratch, what);
+  return {scratch.data(), scratch.size(), sizeof(std::int64_t)};
+}
+
+/// The entries of schedule_handles(), from columns of these element types (uint64 handles keep
+/// their bits through an int64 array, and are cast back by from_bits()).
+template <class Count>
+void schedule_columns(step_plan& plan, const std::uint64_t* handles, const std::int64_t* first, const Count* count,
+                      const std::int64_t* drafts, std::size_t n)
+{
+  constexpr std::int64_t int32_max = std::numeric_limits<std::int32_t>::max();
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto tokens = static_cast<std::int64_t>(count[i]);
+    const std::int64_t d = drafts != nullptr ? drafts[i] : 0;
+    if (tokens < 0 || tokens > int32_max || d < 0 || d > int32_max) [[unlikely]] {
+      throw error{errc::invalid_plan, "schedule_handles: entry " + std::to_string(i) + " has " + std::to_string(tokens) +
+                                        " tokens and " + std::to_string(d) + " drafts"};
+    }
+    plan.schedule(request_handle::from_bits(handles[i]), first[i], static_cast<std::int32_t>(tokens),
+                  static_cast<std::int32_t>(d));
+  }
+}
+
 void plan_schedule_handles(plan_holder& p, nb::handle handles, nb::handle first_positions, nb::handle num_tokens,
                            nb::handle num_draft_tokens)
 {
-  auto& [h, first, count, drafts] = p.columns;
-  read_column(handles, h, "schedule_handles: handles");
-  read_column(first_positions, first, "schedule_handles: first_positions");
-  read_column(num_tokens, count, "schedule_handles: num_tokens");
+  // Read in place where the engine's arrays allow it: at decode batch 1024, copying the columns
+  // first cost as much again as writing the plan's entries.
+  auto& [h_scratch, first_scratch, count_scratch, draft_scratch] = p.columns;
+  const int_column h     = column_in_place(handles, h_scratch, "schedule_handles: handles", false);
+  const int_column first = column_in_place(first_positions, first_scratch, "schedule_handles: first_positions", false);
+  const int_column count = column_in_place(num_tokens, count_scratch, "schedule_handles: num_tokens", true);
   const bool with_drafts = !num_draft_tokens.is_none();
-  if (with_drafts) { read_column(num_draft_tokens, drafts, "schedule_handles: num_draft_tokens"); }
-  if (first.size() != h.size() || count.size() != h.size() || (with_drafts && drafts.size() != h.size())) {
-    throw error{errc::invalid_plan, "schedule_handles: " + std::to_string(h.size()) + " handles, " +
-                                      std::to_string(first.size()) + " first positions, " + std::to_string(count.size()) +
+  if (with_drafts) { read_column(num_draft_tokens, draft_scratch, "schedule_handles: num_draft_tokens"); }
+  if (first.size != h.size || count.size != h.size || (with_drafts && draft_scratch.size() != h.size)) {
+    throw error{errc::invalid_plan, "schedule_handles: " + std::to_string(h.size) + " handles, " +
+                                      std::to_string(first.size) + " first positions, " + std::to_string(count.size) +
                                       " token counts" +
-                                      (with_drafts ? ", " + std::to_string(drafts.size()) + " draft counts" : "")};
+                                      (with_drafts ? ", " + std::to_string(draft_scratch.size()) + " draft counts" : "")};
   }
-  constexpr std::int64_t int32_max = std::numeric_limits<std::int32_t>::max();
-  for (std::size_t i = 0; i < h.size(); ++i) {
-    const std::int64_t n = count[i];
-    const std::int64_t d = with_drafts ? drafts[i] : 0;
-    if (n < 0 || n > int32_max || d < 0 || d > int32_max) {
-      throw error{errc::invalid_plan, "schedule_handles: entry " + std::to_string(i) + " has " + std::to_string(n) +
-                                        " tokens and " + std::to_string(d) + " drafts"};
-    }
-    p.plan.schedule(request_handle::from_bits(static_cast<std::uint64_t>(h[i])), first[i], static_cast<std::int32_t>(n),
-                    static_cast<std::int32_t>(d));
+  const auto* hs     = static_cast<const std::uint64_t*>(h.data);
+  const auto* firsts = static_cast<const std::int64_t*>(first.data);
+  const std::int64_t* drafts = with_drafts ? draft_scratch.data() : nullptr;
+  if (count.bytes == 4) {
+    schedule_columns(p.plan, hs, firsts, static_cast<const std::int32_t*>(count.data), drafts, h.size);
+  } else {
+    schedule_columns(p.plan, hs, firsts, static_cast<const std::int64_t*>(count.data), drafts, h.size);
   }
 }
 

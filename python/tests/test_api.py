@@ -438,6 +438,40 @@ def test_handles_schedule_columnar_plans(device):
         rr.StepPlan().schedule_handles([fresh], [0.5], [1])
 
 
+def test_columnar_plan_dtypes(host):
+    """Columns read in place (contiguous 64-bit handles and positions, 32- or 64-bit counts) and
+    columns converted (other widths, strided views, sequences) give the same plan; bad counts are
+    refused with their value, whatever the column's dtype."""
+    firsts = np.zeros(6, dtype=np.int64)
+    counts = np.array([1, 2, 3, 1, 2, 3], dtype=np.int64)
+    ways = [
+        lambda h: (h, firsts, counts),
+        lambda h: (h.astype(np.int64), firsts, counts.astype(np.int32)),
+        lambda h: (h, firsts.astype(np.int32), counts.astype(np.uint32)),
+        lambda h: (np.repeat(h, 2)[::2], np.repeat(firsts, 2)[::2], np.repeat(counts.astype(np.int32), 2)[::2]),
+        lambda h: (h.tolist(), firsts.tolist(), counts.astype(np.int16)),
+    ]
+    ids = routing(12)
+    for way in ways:
+        replay = make(host, max_tokens_per_step=16)
+        handles = np.array([replay.add_request(r) for r in range(6)], dtype=np.uint64)
+        plan = rr.StepPlan()
+        plan.schedule_handles(*way(handles))
+        assert len(plan) == 6 and plan.num_rows == 12
+        with replay.step(plan):
+            for layer in range(2):
+                replay.capture(layer, host.array(ids[:, layer, :]))
+        row = 0
+        for r in range(6):
+            np.testing.assert_array_equal(replay.extract(r, copy=True), ids[row:row + counts[r]])
+            row += counts[r]
+    for bad in (np.array([-1], dtype=np.int32), np.array([-1], dtype=np.int64), np.array([1 << 31], dtype=np.uint32),
+                np.array([1 << 40], dtype=np.int64)):
+        with pytest.raises(rr.Error) as e:
+            rr.StepPlan().schedule_handles(np.zeros(1, dtype=np.uint64), firsts[:1], bad)
+        assert e.value.code == "invalid_plan" and str(int(bad[0])) in str(e.value)
+
+
 def test_block_transfers_and_prefix_hits(device):
     replay = make(device, storage="block_slot", block_size=2, num_blocks=8, copy="double_buffered")
     replay.add_request("a")
