@@ -35,7 +35,9 @@ struct probe_block_kernel {
 ///
 /// Host memory a kernel writes is pinned through `register_host`, also from a helper thread of the
 /// library's own: `host_thread_context()` (on the engine's thread) names what such a thread must
-/// adopt first (`adopt_host_thread_context`), so that its calls address the engine's device.
+/// adopt first (`adopt_host_thread_context`), so that its calls address the engine's device. Host
+/// memory a kernel reads where the host wrote it, without a copy (the device scatter's op lists), comes
+/// from `allocate_pinned` and goes back through `free_pinned`, which may wait for the device.
 ///
 /// Two backends ship: cuda_backend (routing_replay/cuda_backend.cuh, needs nvcc) and host_backend
 /// (routing_replay/host_backend.hpp, plain C++20).
@@ -56,6 +58,8 @@ concept backend = requires(typename B::stream_ref stream,
   B::launch_dependent_async(std::int32_t{1}, std::int32_t{32}, detail::probe_block_kernel{}, stream);
   B::register_host(dst, bytes);
   B::unregister_host(dst);
+  { B::allocate_pinned(bytes) } -> std::same_as<void*>;
+  B::free_pinned(dst, bytes);
   B::adopt_host_thread_context(B::host_thread_context());
   B::copy_async(dst, src, bytes, stream);
   B::copy_2d_async(dst, bytes, src, bytes, bytes, bytes, stream);

@@ -264,6 +264,20 @@ struct cuda_backend {
   /// @brief Unpins memory registered by register_host() (errors ignored: called on teardown).
   static void unregister_host(void* p) noexcept { (void)cudaHostUnregister(p); }
 
+  /// @brief `bytes` of pinned host memory (cudaMallocHost) that kernels read through the same
+  /// address, for what the host writes and a kernel reads in place (detail/pinned_memory.hpp).
+  /// @throws error backend_error
+  [[nodiscard]] static void* allocate_pinned(std::size_t bytes)
+  {
+    void* p = nullptr;
+    detail::check_cuda(cudaMallocHost(&p, bytes), "cudaMallocHost");
+    return p;
+  }
+
+  /// @brief Frees allocate_pinned() memory (cudaFreeHost, which waits for the device; errors
+  /// ignored: called on teardown).
+  static void free_pinned(void* p, std::size_t) noexcept { (void)cudaFreeHost(p); }
+
   /// @brief What a helper thread adopts: the device current on the thread that made it.
   struct host_thread_state {
     int device = 0;  ///< the engine's device

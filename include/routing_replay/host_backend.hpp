@@ -177,6 +177,20 @@ struct host_backend {
   static void register_host(void*, std::size_t) noexcept {}
   /// @brief Nothing to do.
   static void unregister_host(void*) noexcept {}
+
+  /// @brief `bytes` of host memory that "kernels" read in place (as cudaMallocHost's).
+  [[nodiscard]] static void* allocate_pinned(std::size_t bytes)
+  {
+    return detail::stream_ordered_allocator<std::byte>{}.allocate(bytes);
+  }
+
+  /// @brief Frees allocate_pinned() memory once every queue has run what was enqueued before (as
+  /// cudaFreeHost waits for the device).
+  static void free_pinned(void* p, std::size_t bytes) noexcept
+  {
+    detail::stream_ordered_allocator<std::byte>{}.deallocate(static_cast<std::byte*>(p), bytes);
+  }
+
   /// @brief Nothing a helper thread must adopt.
   struct host_thread_state {};
   /// @brief The calling thread's state: nothing.

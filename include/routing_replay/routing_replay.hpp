@@ -185,12 +185,16 @@ class RoutingReplay
 
  private:
   RoutingReplay(replay_config config, std::optional<stream_ref> copy_stream)
-    : base(std::move(config)),
+    : base(std::move(config), pipeline_type::ops_memory()),
       buffer_(this->config_, layer_map{this->config_}),
       pipeline_(static_cast<std::size_t>(this->config_.max_tokens_per_step),
                 static_cast<std::size_t>(this->row_size()),
                 copy_stream)
   {
+    if constexpr (Copy::site == scatter_site::device) {  // the scatter kernel reads the planner's op list
+      this->planner_.reserve_ops(pipeline_type::max_ops(static_cast<std::size_t>(this->config_.max_tokens_per_step),
+                                                        static_cast<std::size_t>(this->row_size())));
+    }
   }
 
   [[nodiscard]] buffer_type& capture_target() noexcept { return buffer_; }

@@ -10,13 +10,16 @@
 #include <routing_replay/detail/copy_ring.hpp>
 #include <routing_replay/detail/kernels.hpp>
 #include <routing_replay/detail/step_status.hpp>
+#include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory_resource>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -65,6 +68,20 @@ class copy_pipeline {
       }
       copy_stream_ = copy_stream;
     }
+  }
+
+  /// @brief Where the records pushed here keep their op lists: pinned memory where a kernel
+  /// scatters the rows (it reads the list in place, so a record from elsewhere is refused), the
+  /// heap where the host does.
+  [[nodiscard]] static std::pmr::memory_resource* ops_memory() noexcept
+  {
+    return host_scatters ? std::pmr::new_delete_resource() : slot_type::ops_memory();
+  }
+  /// @brief The most ops a step of up to `max_rows` rows of `row_elems` ids has: the room a
+  /// record's op list needs, reserved once so that no step reallocates it.
+  [[nodiscard]] static std::size_t max_ops(std::size_t max_rows, std::size_t row_elems) noexcept
+  {
+    return slot_type::max_pieces(max_rows, row_elems);
   }
 
   /// @brief Steps in flight (closed, not yet filed).
@@ -117,7 +134,9 @@ class copy_pipeline {
     if constexpr (Copy::timing == scatter_timing::at_end_of_step) {
       retire_oldest(sink);
     } else if constexpr (Copy::ring_depth > 1) {
-      while (ring_.size() > 0 && earlier_step_error == nullptr && Backend::ready(ring_.oldest().copied)) {
+      // earlier steps only: this one's copy was enqueued a moment ago (a query of it is a wasted
+      // driver call), and it is filed by a later push or a drain
+      while (ring_.size() > 1 && earlier_step_error == nullptr && Backend::ready(ring_.oldest().copied)) {
         retire_oldest_keeping(sink, earlier_step_error);
       }
     }
@@ -166,14 +185,18 @@ class copy_pipeline {
       Backend::copy_async(Backend::data(slot.status), status, status_bytes, stream);
       Backend::fill_2d_async(status, status_bytes, 0, status_bytes, 1, stream);
     } else {
-      // one launch: the kernel reads the pieces where they are (pinned), writes the rows, and its
-      // last block publishes the status and zeroes it
-      const auto num_ops = static_cast<std::int32_t>(step.ops.size());
-      std::copy(step.ops.begin(), step.ops.end(), Backend::data(slot.ops));
+      // one launch: the kernel reads the pieces where the planner wrote them (the record's op
+      // list, in pinned memory: nothing is copied), writes the rows, and its last block publishes
+      // the status and zeroes it. The record stays in this slot until the step is retired.
+      if (step.ops.get_allocator().resource() != ops_memory()) {
+        throw error{errc::invalid_state, "device scatter: step " + std::to_string(step.serial) +
+                                           "'s op list is not in pinned memory (use copy_pipeline::ops_memory())"};
+      }
+      const auto num_ops        = static_cast<std::int32_t>(step.ops.size());
       const std::int32_t blocks = std::max(1, num_ops);
       Backend::launch_async(blocks,
                             detail::kernel_block_threads,
-                            detail::scatter_rows<Index>{Backend::data(slot.ops),
+                            detail::scatter_rows<Index>{step.ops.data(),
                                                         Backend::data(slot.snapshot),
                                                         Backend::data(slot.device_status),
                                                         Backend::data(slot.status),

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory_resource>
 #include <span>
 #include <string>
 #include <vector>
@@ -245,13 +246,14 @@ class host_side {
   /// @}
 
  protected:
-  /// @brief Validates the configuration for `Index` and creates the host store.
+  /// @brief Validates the configuration for `Index` and creates the host store; the planner's
+  /// records keep their op lists in `ops_memory` (see step_planner).
   /// @throws error invalid_config, index_type_too_narrow, host_memory_exhausted
-  explicit host_side(replay_config config)
+  explicit host_side(replay_config config, std::pmr::memory_resource* ops_memory = std::pmr::new_delete_resource())
     : config_(detail::validated_config<Index>(std::move(config))),
       filer_(config_, layer_map{config_}),
       reader_(config_, filer_.layers()),
-      planner_(config_)
+      planner_(config_, ops_memory)
   {
   }
 

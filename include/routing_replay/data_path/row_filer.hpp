@@ -494,7 +494,7 @@ class row_filer {
   // Appends a piece to a step's pieces: it extends the last one if it continues it (a run of rows
   // to consecutive places), and no piece grows past max_piece_elems. Inline: every run of a step
   // adds one (room was reserved); a piece to cut takes add_cut_piece().
-  static void add_piece(std::vector<detail::scatter_op<Index>>& ops, const detail::scatter_op<Index>& op)
+  static void add_piece(typename step_record<Index>::op_list& ops, const detail::scatter_op<Index>& op)
   {
     if (!ops.empty() && continues(ops.back(), op)) {
       ops.back().elems += op.elems;
@@ -517,7 +517,7 @@ class row_filer {
   }
 
   // add_piece() of a piece larger than max_piece_elems: cut into pieces of at most that.
-  [[gnu::noinline]] static void add_cut_piece(std::vector<detail::scatter_op<Index>>& ops, detail::scatter_op<Index> op)
+  [[gnu::noinline]] static void add_cut_piece(typename step_record<Index>::op_list& ops, detail::scatter_op<Index> op)
   {
     while (op.elems > detail::max_piece_elems) {
       ops.push_back({op.dst, op.copy_from, op.src, detail::max_piece_elems, op.replaces});

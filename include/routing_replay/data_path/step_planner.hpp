@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory_resource>
 #include <span>
 #include <string>
 #include <vector>
@@ -31,11 +32,17 @@ namespace routing_replay {
 template <class Index>
 class step_planner {
  public:
-  /// @brief A planner for a validated configuration.
-  explicit step_planner(const replay_config& config)
-    : max_rows_(config.max_tokens_per_step), max_model_len_(config.max_model_len)
+  /// @brief A planner for a validated configuration; its records' op lists come from
+  /// `ops_memory` (pinned memory with device scatter: copy_pipeline::ops_memory()).
+  explicit step_planner(const replay_config& config,
+                        std::pmr::memory_resource* ops_memory = std::pmr::new_delete_resource())
+    : max_rows_(config.max_tokens_per_step), max_model_len_(config.max_model_len), record_(ops_memory)
   {
   }
+
+  /// @brief Room for `pieces` ops in the record, so that no step reallocates the op list (pinned
+  /// memory is slow to allocate, and freeing it waits for the device).
+  void reserve_ops(std::size_t pieces) { record_.ops.reserve(pieces); }
 
   /// @brief Whether a step is open (between open() and close()).
   [[nodiscard]] bool is_open() const noexcept { return open_; }

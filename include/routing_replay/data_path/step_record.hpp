@@ -7,6 +7,7 @@
 #include <routing_replay/detail/scatter_op.hpp>
 
 #include <cstdint>
+#include <memory_resource>
 #include <vector>
 
 namespace routing_replay {
@@ -43,9 +44,18 @@ struct taken_draft {
 
 /// @brief Everything filing needs, copied out of the step_plan when the step begins. Records are
 /// recycled (swapped between the planner and the copy pipeline's ring), so steady-state steps
-/// allocate nothing.
+/// allocate nothing. With device scatter the op list lives in pinned memory, where the scatter
+/// kernel reads it as the planner wrote it (copy_pipeline::make_record()).
 template <class Index>
 struct step_record {
+  /// @brief The op list's type: its memory comes from the resource the record was made with.
+  using op_list = std::pmr::vector<detail::scatter_op<Index>>;
+
+  /// @brief A record whose op list is allocated from the heap.
+  step_record() = default;
+  /// @brief A record whose op list is allocated from `ops_memory`.
+  explicit step_record(std::pmr::memory_resource* ops_memory) : ops(ops_memory) {}
+
   std::uint64_t serial  = 0;                      ///< step serial (1, 2, ...)
   std::int64_t num_rows = 0;                      ///< N
   std::int64_t padded_rows = -1;                  ///< rows the forward writes, if declared
@@ -53,7 +63,8 @@ struct step_record {
   std::vector<std::int64_t> slots;                ///< KV slots of every run, flat
   std::vector<std::uint32_t> generations;         ///< generation of each slot's block when planned
   std::vector<std::int64_t> fresh_blocks;         ///< blocks declared fresh
-  std::vector<detail::scatter_op<Index>> ops;     ///< claims when planned: every claimed row's place
+  /// @brief Claims when planned: every claimed row's place.
+  op_list ops{std::pmr::new_delete_resource()};
   std::vector<replaced_claim> replaced;           ///< claims when planned: rows re-claimed
   std::vector<taken_draft> taken;                 ///< claims when planned: draft rows taken over
 };

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <routing_replay/data_path/step_record.hpp>
+#include <routing_replay/detail/pinned_memory.hpp>
 #include <routing_replay/detail/scatter_op.hpp>
 #include <routing_replay/detail/step_status.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <memory_resource>
 #include <utility>
 #include <vector>
 
@@ -19,15 +21,23 @@ namespace routing_replay::detail {
 template <class Backend, class Index>
 struct ring_slot {
   /// @brief Allocates for `max_rows` rows of `row_elems` ids; stagings only where the host
-  /// scatters, op lists only where a kernel does.
+  /// scatters; where a kernel does, the slot's record keeps its op list in pinned memory
+  /// (ops_memory()), with room for the most pieces a step may have.
   ring_slot(std::size_t max_rows, std::size_t row_elems, bool host_scatters)
     : snapshot(max_rows * row_elems),
       device_status(1),
       staging(host_scatters ? max_rows * row_elems : 0),
       status(1),
-      ops(host_scatters ? 0 : max_pieces(max_rows, row_elems)),
-      blocks_done(host_scatters ? 0 : 1)
+      blocks_done(host_scatters ? 0 : 1),
+      step(host_scatters ? std::pmr::new_delete_resource() : ops_memory())
   {
+    if (!host_scatters) { step.ops.reserve(max_pieces(max_rows, row_elems)); }
+  }
+
+  /// @brief Where op lists that the scatter kernel reads in place live: the backend's pinned memory.
+  [[nodiscard]] static std::pmr::memory_resource* ops_memory() noexcept
+  {
+    return pinned_memory_resource<Backend>::get();
   }
 
   /// @brief The most pieces a step of `max_rows` rows splits into: a row starts at most one piece
@@ -42,7 +52,6 @@ struct ring_slot {
   typename Backend::template device_vector<step_status> device_status;  ///< the step's verdict
   typename Backend::template pinned_vector<Index> staging;              ///< [N, L, K] on the host
   typename Backend::template pinned_vector<step_status> status;         ///< the verdict, copied
-  typename Backend::template pinned_vector<scatter_op<Index>> ops;  ///< pieces, read by the kernel
   typename Backend::template device_vector<unsigned int> blocks_done;  ///< the scatter's last block
   typename Backend::event snapshot_taken;  ///< compute stream: D is snapshotted and reset
   typename Backend::event copied;          ///< copy stream: rows and status have arrived
