@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -266,11 +267,17 @@ struct cuda_backend {
 
   /// @brief `bytes` of pinned host memory (cudaMallocHost) that kernels read through the same
   /// address, for what the host writes and a kernel reads in place (detail/pinned_memory.hpp).
-  /// @throws error backend_error
+  /// @throws std::bad_alloc when the memory is not there (as Thrust's pinned vectors); error
+  /// backend_error for another CUDA failure
   [[nodiscard]] static void* allocate_pinned(std::size_t bytes)
   {
-    void* p = nullptr;
-    detail::check_cuda(cudaMallocHost(&p, bytes), "cudaMallocHost");
+    void* p                 = nullptr;
+    const cudaError_t error = cudaMallocHost(&p, bytes);
+    if (error == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // not sticky: clear it, so that later calls do not report it
+      throw std::bad_alloc{};
+    }
+    detail::check_cuda(error, "cudaMallocHost");
     return p;
   }
 

@@ -171,6 +171,13 @@ struct faulty_backend {
     if (fault_injector::get().ignored_point("unregister_host")) { return; }  // the error is ignored
     Base::unregister_host(p);
   }
+  // a pinned allocation, as the pinned vectors' (std::bad_alloc, which the library does not translate)
+  [[nodiscard]] static void* allocate_pinned(std::size_t bytes)
+  {
+    fault_injector::get().allocation_point("allocate_pinned");
+    return Base::allocate_pinned(bytes);
+  }
+  static void free_pinned(void* p, std::size_t bytes) noexcept { Base::free_pinned(p, bytes); }
   using host_thread_state = typename Base::host_thread_state;
   static host_thread_state host_thread_context() { return Base::host_thread_context(); }
   // on the arena's worker thread: its failure only stops the pinning ahead (the engine's thread then

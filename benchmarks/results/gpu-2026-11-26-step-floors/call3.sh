@@ -1,36 +1,39 @@
 #!/usr/bin/env bash
-# Call 3 of this folder, a fresh machine (carry .deps .baseline .peers; .baseline staged with
+# Calls 3 and 4 of this folder (call 3's GPU test build failed: the tests' fault-injecting backend
+# lacked the new pinned-memory calls; call 4 ran after the fix), a fresh machine (carry .deps .baseline .peers; .baseline staged with
 # scripts/stage_baseline.sh e6cebb0, the tree before the op list was written in place): the GPU
 # checks of this tree (scripts/gpu_check.sh, tests part) while both trees' C++ engine loop, floor
 # probe and Python package build; then rounds that alternate the trees (which runs first too):
 # step_floor_probe, the C++ engine loop (device scatter, both storages, eager and CUDA graph, decode
 # B1024 and B64) and the Python engine loop (Replay and the drop-in, eager and CUDA graph, decode
 # B64 and B1024), until ROUND_BUDGET_S. Every line carries its round and tree.
+# Only six files go to $OUT (a call returns eight): builds log under build/call3_logs.
 # Usage (repository root): OUT=... benchmarks/results/gpu-2026-11-26-step-floors/call3.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 here=benchmarks/results/gpu-2026-11-26-step-floors
 out=${OUT:-build/step_floors_3}
-mkdir -p "$out" build
+logs=build/call3_logs
+mkdir -p "$out" "$logs"
 start=$(date +%s)
 export PYTHONUNBUFFERED=1
 tag() { python3 benchmarks/results/tag_rounds.py "$@"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/machine.txt"
 prefix=()
 [ -d .deps/usr ] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.deps/usr")
-( OUT="$out/py_build" benchmarks/results/h200-2026-11-25-fused/run_gpu.sh 0 >"$out/py_build.log" 2>&1 ) &
+( OUT="$logs/py_build" benchmarks/results/h200-2026-11-25-fused/run_gpu.sh 0 >"$logs/py_build.log" 2>&1 ) &
 ( cmake -S .baseline -B build/baseline -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix[@]}" \
     -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF &&
-  cmake --build build/baseline -j 4 --target engine_loop ) >"$out/build_base.log" 2>&1 &
+  cmake --build build/baseline -j 4 --target engine_loop ) >"$logs/build_base.log" 2>&1 &
 for tree in head base; do  # binaries stay out of $OUT (files there come back to the caller)
   inc=include; [ "$tree" = base ] && inc=.baseline/include
   nvcc -std=c++20 -O3 -DNDEBUG -arch=native -I "$inc" -I benchmarks "$here/step_floor_probe.cu" \
-    -o "build/step_floor_probe_$tree" >"$out/build_probe_$tree.log" 2>&1 &
+    -o "build/step_floor_probe_$tree" >"$logs/build_probe_$tree.log" 2>&1 &
 done
-GPU_CHECK_PARTS=tests OUT="$out/gpu_check" bash scripts/gpu_check.sh >"$out/gpu_check_stdout.log" 2>&1
-echo "gpu_check exit $? at $(( $(date +%s) - start )) s"; tail -n 8 "$out/gpu_check/summary.txt" 2>/dev/null
+GPU_CHECK_PARTS=tests OUT="$logs/gpu_check" bash scripts/gpu_check.sh >"$out/gpu_check_stdout.log" 2>&1
+echo "gpu_check exit $? at $(( $(date +%s) - start )) s"; tail -n 8 "$logs/gpu_check/summary.txt" 2>/dev/null
 wait
-echo "== built at $(( $(date +%s) - start )) s"; grep "built both" "$out/py_build.log"
+echo "== built at $(( $(date +%s) - start )) s"; grep "built both" "$logs/py_build.log"
 for round in $(seq 1 12); do
   if [ $(( $(date +%s) - start )) -gt "${ROUND_BUDGET_S:-450}" ]; then echo "== round $round not started"; break; fi
   echo "== round $round at $(( $(date +%s) - start )) s"
