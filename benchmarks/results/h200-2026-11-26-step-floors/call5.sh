@@ -5,7 +5,7 @@
 # process (as calls 3 and 4 ran them), and decode B64 alone, until ROUND_BUDGET_S. Call 4 read
 # head's B64 `host_us` and `begin_us` above base's in most rounds, where the floor probe read
 # them lower; this call asks whether that holds. Every line carries its round, tree and run.
-# Usage (repository root): OUT=... benchmarks/results/gpu-2026-11-26-step-floors/call5.sh
+# Usage (repository root): OUT=... benchmarks/results/h200-2026-11-26-step-floors/call5.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-build/step_floors_5}

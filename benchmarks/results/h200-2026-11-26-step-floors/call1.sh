@@ -6,10 +6,10 @@
 # floors, the C++ and the Python engine loop's orders, decode B1024 and B64) and of this tree's C++
 # engine loop (device scatter, both storages, eager and CUDA graph, decode B1024 and B64), until
 # ROUND_BUDGET_S.
-# Usage (repository root): OUT=... benchmarks/results/gpu-2026-11-26-step-floors/call1.sh
+# Usage (repository root): OUT=... benchmarks/results/h200-2026-11-26-step-floors/call1.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
-here=benchmarks/results/gpu-2026-11-26-step-floors
+here=benchmarks/results/h200-2026-11-26-step-floors
 out=${OUT:-build/step_floors}
 mkdir -p "$out"
 start=$(date +%s)

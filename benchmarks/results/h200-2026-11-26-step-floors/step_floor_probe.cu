@@ -25,7 +25,7 @@
 // One JSON line per (batch, order): medians over the last three quarters of the steps.
 //
 // Build (repository root): nvcc -std=c++20 -O3 -DNDEBUG -arch=native -I include -I benchmarks
-//   benchmarks/results/gpu-2026-11-26-step-floors/step_floor_probe.cu -o build/step_floor_probe
+//   benchmarks/results/h200-2026-11-26-step-floors/step_floor_probe.cu -o build/step_floor_probe
 // Arguments: steps (1200), forward_us (300: the spin kernel that stands for the forward).
 #include "bench_common.hpp"
 

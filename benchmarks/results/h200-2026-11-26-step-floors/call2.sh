@@ -4,7 +4,7 @@
 # example (a)), then alternating rounds of the Python engine loop and the side by side with vLLM PR
 # 39917's capturer (h200-2026-11-25-fused/run_gpu.sh: none, Replay, the drop-in; eager and CUDA
 # graph; this tree against .baseline, the peer in this tree's rounds) until ROUND_BUDGET_S.
-# Usage (repository root): OUT=... benchmarks/results/gpu-2026-11-26-step-floors/call2.sh
+# Usage (repository root): OUT=... benchmarks/results/h200-2026-11-26-step-floors/call2.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-build/step_floors_2}

@@ -8,10 +8,10 @@
 # B1024 and B64) and the Python engine loop (Replay and the drop-in, eager and CUDA graph, decode
 # B64 and B1024), until ROUND_BUDGET_S. Every line carries its round and tree.
 # Only six files go to $OUT (a call returns eight): builds log under build/call3_logs.
-# Usage (repository root): OUT=... benchmarks/results/gpu-2026-11-26-step-floors/call3.sh
+# Usage (repository root): OUT=... benchmarks/results/h200-2026-11-26-step-floors/call3.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
-here=benchmarks/results/gpu-2026-11-26-step-floors
+here=benchmarks/results/h200-2026-11-26-step-floors
 out=${OUT:-build/step_floors_3}
 logs=build/call3_logs
 mkdir -p "$out" "$logs"
