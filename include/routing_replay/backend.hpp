@@ -71,4 +71,13 @@ concept backend = requires(typename B::stream_ref stream,
   B::synchronize(stream);
 };
 
+/// @brief Whether every later event query of backend `B` reports a failure of earlier work on any
+/// of its streams, so that the host learns of a failed step from the last event behind it alone.
+/// CUDA's asynchronous errors are sticky (a failed kernel leaves the context unusable, and every
+/// later call returns the error); a backend says so with a member `static constexpr bool
+/// failures_are_sticky = true`. Otherwise the event recorded behind each stream's work is queried
+/// too (host_backend hands a stream's failure to the next event recorded on that stream).
+template <class B>
+inline constexpr bool failures_are_sticky = requires { requires B::failures_are_sticky; };
+
 }  // namespace routing_replay

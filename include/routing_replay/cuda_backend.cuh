@@ -142,6 +142,8 @@ struct cuda_backend {
 
   /// @brief Human-readable name.
   static constexpr const char* name = "cuda";
+  /// @brief A kernel's failure is reported by every later call (routing_replay::failures_are_sticky).
+  static constexpr bool failures_are_sticky = true;
 
   /// @brief Whether a usable CUDA device is present (false without a driver or a GPU).
   [[nodiscard]] static bool available() noexcept

@@ -75,7 +75,7 @@ class copy_pipeline {
   /// heap where the host does.
   [[nodiscard]] static std::pmr::memory_resource* ops_memory() noexcept
   {
-    return host_scatters ? std::pmr::new_delete_resource() : slot_type::ops_memory();
+    return slot_type::ops_memory(host_scatters);
   }
   /// @brief The most ops a step of up to `max_rows` rows of `row_elems` ids has: the room a
   /// record's op list needs, reserved once so that no step reallocates it.
@@ -137,7 +137,7 @@ class copy_pipeline {
       // earlier steps only: this one's copy was enqueued a moment ago (a query of it is a wasted
       // driver call), and it is filed by a later push or a drain
       while (ring_.size() > 1 && earlier_step_error == nullptr && Backend::ready(ring_.oldest().copied)) {
-        retire_oldest_keeping(sink, earlier_step_error);
+        retire_oldest_keeping(sink, earlier_step_error, copy_checked);
       }
     }
     if (earlier_step_error) { std::rethrow_exception(earlier_step_error); }
@@ -208,16 +208,23 @@ class copy_pipeline {
     Backend::record(slot.copied, stream);
   }
 
+  // Whether retire_oldest() finds the oldest step's copy already queried: a ready() that returned
+  // true has reported any failure behind the copy's event, so the event is not queried again.
+  enum copy_state : bool { copy_unchecked = false, copy_checked = true };
+
   // Waits for the oldest step's copy, takes it out of the ring and hands it to the sink.
   template <class Sink>
-  void retire_oldest(Sink& sink)
+  void retire_oldest(Sink& sink, copy_state copy = copy_unchecked)
   {
     slot_type& slot = ring_.oldest();
     try {
-      Backend::synchronize(slot.copied);
+      if (copy == copy_unchecked) { Backend::synchronize(slot.copied); }
       // the copy waited for the snapshot, so this returns at once; it reports what failed on the
-      // compute stream (the host backend hands a stream's failure to the next event recorded)
-      if constexpr (Copy::uses_side_stream) { Backend::synchronize(slot.snapshot_taken); }
+      // compute stream (the host backend hands a stream's failure to the next event recorded),
+      // which a backend whose failures are sticky has reported with the copy's event already
+      if constexpr (Copy::uses_side_stream && !failures_are_sticky<Backend>) {
+        Backend::synchronize(slot.snapshot_taken);
+      }
     } catch (...) {
       ring_.pop();
       sink.discard(slot.step);
@@ -230,10 +237,10 @@ class copy_pipeline {
   }
 
   template <class Sink>
-  void retire_oldest_keeping(Sink& sink, std::exception_ptr& first_error)
+  void retire_oldest_keeping(Sink& sink, std::exception_ptr& first_error, copy_state copy = copy_unchecked)
   {
     try {
-      retire_oldest(sink);
+      retire_oldest(sink, copy);
     } catch (...) {
       if (!first_error) { first_error = std::current_exception(); }
     }

@@ -4,6 +4,7 @@
 /// not opt in are never added and cost nothing.
 #pragma once
 
+#include <routing_replay/detail/prefetch.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/step_plan.hpp>
 
@@ -113,11 +114,8 @@ class request_registry {
   }
 
   /// @brief Asks the processor for the state of handle index `h` ahead of its use (a step plan's
-  /// planner, a few runs before it gets to them); an index past the registry is ignored.
-  [[gnu::always_inline]] void prefetch(std::uint32_t h) const noexcept
-  {
-    if (h < states_.size()) { __builtin_prefetch(&states_[h], 1); }
-  }
+  /// planner, a few runs before it gets to them); any value is safe (detail::prefetch_for_write).
+  [[gnu::always_inline]] void prefetch(std::uint32_t h) const noexcept { detail::prefetch_for_write(states_.data(), h); }
 
   /// @brief Whether an id (or handle) is live.
   [[nodiscard]] bool contains(request_key key) const

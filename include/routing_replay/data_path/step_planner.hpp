@@ -96,11 +96,15 @@ class step_planner {
       record_.runs.reserve(plan.entries().size());
       filer.reserve_pieces(record_, plan.num_rows());
     }
-    std::size_t growth = 0;
-    tokens_     = 0;
-    has_drafts_ = false;
-    // every run's handle, written by index: at most one per entry (the size is cut to the runs below)
-    handles_.resize(plan.entries().size());
+    // the loop keeps what it reads and accumulates in locals: the compiler cannot keep members in
+    // registers across the stores into request states and the record (they might alias)
+    std::size_t growth         = 0;
+    std::size_t tokens         = 0;
+    bool has_drafts            = false;
+    const std::uint64_t attempt = attempt_;
+    const std::int64_t max_len  = max_model_len_;
+    // every run's handle, written by index where open() needs them (the planned runs carry theirs)
+    if constexpr (!Filer::plans_fresh_runs) { handles_.resize(plan.entries().size()); }
     std::uint32_t* next_handle = handles_.data();
     const auto* const end      = plan.entries().data() + plan.entries().size();
     for (const auto& entry : plan.entries()) {
@@ -109,12 +113,11 @@ class step_planner {
       if (s.num_tokens < 0) { throw_negative_tokens(s); }
       if (entry.skipped) { continue; }
       const std::uint32_t h = requests.find(s.id);
-      *next_handle++        = h;
       auto& r               = requests[h];
       // messages name the request by its id, also when the plan names it by handle
-      if (r.planned_attempt == attempt_) { throw_duplicate(*r.id); }
-      r.planned_attempt = attempt_;
-      if (!request_fits(s)) { throw_request_outside(s, *r.id); }
+      if (r.planned_attempt == attempt) { throw_duplicate(*r.id); }
+      r.planned_attempt = attempt;
+      if (!request_fits(s, max_len)) { throw_request_outside(s, *r.id); }
       if constexpr (Filer::store_type::slot_indexed) {
         try {
           store.check_slots(s.slots, s.num_tokens);
@@ -122,27 +125,37 @@ class step_planner {
           throw error{e.code(), "request " + r.id->to_string() + ": " + e.what()};
         }
       }
-      tokens_ += static_cast<std::size_t>(s.num_tokens);
-      has_drafts_ = has_drafts_ || s.num_draft_tokens > 0;
+      tokens += static_cast<std::size_t>(s.num_tokens);
+      has_drafts = has_drafts || s.num_draft_tokens > 0;
       if constexpr (Filer::plans_fresh_runs) {
         // a run planned fresh lies in storage it already has: it does not grow
         if (filer.plan_fresh(record_, h, r, s, entry.first_row)) { continue; }
         unplanned_.push_back(static_cast<std::uint32_t>(record_.runs.size()));  // claimed when the step opens
         record_.runs.push_back({h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, -1});
+      } else {
+        *next_handle++ = h;
       }
       growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
     }
-    handles_.resize(static_cast<std::size_t>(next_handle - handles_.data()));
+    tokens_     = tokens;
+    has_drafts_ = has_drafts;
+    if constexpr (!Filer::plans_fresh_runs) { handles_.resize(static_cast<std::size_t>(next_handle - handles_.data())); }
     grows_ = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
     store.check_blocks(plan.fresh_blocks(), "fresh");
     // doubling every request that grows would cross the limit: grow each exactly, if that fits
     exact_growth_ = store.bytes_in_use() + growth > store.limit();
     if (!exact_growth_) { return; }
     std::size_t exact_growth = 0;  // rarely needed: a second pass
-    std::size_t i            = 0;
-    for (const auto& entry : plan.entries()) {
-      if (entry.skipped) { continue; }
-      exact_growth += store.growth_bytes(handles_[i++], entry.request.first_position + entry.request.num_tokens, true);
+    if constexpr (Filer::plans_fresh_runs) {
+      for (const step_run& run : record_.runs) {  // one a scheduled entry, in batch order
+        exact_growth += store.growth_bytes(run.handle, run.first_position + run.num_tokens, true);
+      }
+    } else {
+      std::size_t i = 0;
+      for (const auto& entry : plan.entries()) {
+        if (entry.skipped) { continue; }
+        exact_growth += store.growth_bytes(handles_[i++], entry.request.first_position + entry.request.num_tokens, true);
+      }
     }
     if (store.bytes_in_use() + exact_growth > store.limit()) {
       throw error{errc::host_memory_exhausted,
@@ -252,13 +265,16 @@ class step_planner {
     store.refresh_blocks(record_.fresh_blocks);
     const std::uint32_t* next_unplanned = unplanned_.data();
     const std::uint32_t* last_unplanned = next_unplanned + unplanned_.size();
-    for (std::uint32_t i = 0; i < runs.size(); ++i) {
-      step_run& run = runs[i];
+    const std::uint64_t serial          = serial_;  // in a register across the stores below
+    step_run* const first_run           = runs.data();
+    const auto num_runs                 = static_cast<std::uint32_t>(runs.size());
+    for (std::uint32_t i = 0; i < num_runs; ++i) {
+      step_run& run = first_run[i];
       auto& r       = requests[run.handle];
-      r.open_step   = serial_;
-      r.reads_step  = serial_;
+      r.open_step   = serial;
+      r.reads_step  = serial;
       if (next_unplanned == last_unplanned || *next_unplanned != i) {
-        filer.commit_fresh(run, r, serial_);
+        filer.commit_fresh(run, r, serial);
         continue;
       }
       ++next_unplanned;
@@ -324,12 +340,13 @@ class step_planner {
     }
   }
 
-  // Whether the positions and drafts of `s` (num_tokens >= 0) are valid: the common case, inline;
+  // Whether the positions and drafts of `s` (num_tokens >= 0) are valid for a model of
+  // `max_model_len` positions: the common case, inline;
   // throw_request_outside() says what is wrong otherwise.
-  [[nodiscard]] bool request_fits(const scheduled_request& s) const noexcept
+  [[nodiscard]] static bool request_fits(const scheduled_request& s, std::int64_t max_model_len) noexcept
   {
     // num_tokens >= 0 here: the subtraction cannot overflow, where first_position + num_tokens can
-    return s.first_position >= 0 && s.first_position <= max_model_len_ - s.num_tokens &&
+    return s.first_position >= 0 && s.first_position <= max_model_len - s.num_tokens &&
            (s.num_draft_tokens == 0 ||  // most runs: one test for the three below
             (s.num_draft_tokens > 0 && s.num_draft_tokens <= s.num_tokens && s.num_draft_tokens <= max_draft_tokens));
   }

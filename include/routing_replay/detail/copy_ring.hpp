@@ -22,22 +22,23 @@ template <class Backend, class Index>
 struct ring_slot {
   /// @brief Allocates for `max_rows` rows of `row_elems` ids; stagings only where the host
   /// scatters; where a kernel does, the slot's record keeps its op list in pinned memory
-  /// (ops_memory()), with room for the most pieces a step may have.
+  /// (ops_memory(false)), with room for the most pieces a step may have.
   ring_slot(std::size_t max_rows, std::size_t row_elems, bool host_scatters)
     : snapshot(max_rows * row_elems),
       device_status(1),
       staging(host_scatters ? max_rows * row_elems : 0),
       status(1),
       blocks_done(host_scatters ? 0 : 1),
-      step(host_scatters ? std::pmr::new_delete_resource() : ops_memory())
+      step(ops_memory(host_scatters))
   {
     if (!host_scatters) { step.ops.reserve(max_pieces(max_rows, row_elems)); }
   }
 
-  /// @brief Where op lists that the scatter kernel reads in place live: the backend's pinned memory.
-  [[nodiscard]] static std::pmr::memory_resource* ops_memory() noexcept
+  /// @brief Where a slot's record keeps its op list: the heap where the host scatters the rows,
+  /// the backend's pinned memory where a kernel does (it reads the list in place).
+  [[nodiscard]] static std::pmr::memory_resource* ops_memory(bool host_scatters) noexcept
   {
-    return pinned_memory_resource<Backend>::get();
+    return host_scatters ? std::pmr::new_delete_resource() : pinned_memory_resource<Backend>::get();
   }
 
   /// @brief The most pieces a step of `max_rows` rows splits into: a row starts at most one piece

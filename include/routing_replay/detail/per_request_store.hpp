@@ -5,6 +5,7 @@
 #pragma once
 
 #include <routing_replay/config.hpp>
+#include <routing_replay/detail/prefetch.hpp>
 #include <routing_replay/detail/row_arena.hpp>
 #include <routing_replay/detail/row_claim.hpp>
 #include <routing_replay/detail/row_memory.hpp>
@@ -182,12 +183,13 @@ class per_request_store {
   void begin_validation() noexcept {}
   /// @brief Checks the slots of a scheduled request (nothing to check: rows live at positions).
   void check_slots(std::span<const std::int64_t>, std::int32_t) const noexcept {}
-  /// @brief Asks the processor for the entry of request `h` (any value: one past the requests
-  /// stored is ignored) a few requests before the planner gets to it: the planner's checks of a
-  /// request are too long for the processor to start the next request's loads on its own.
+  /// @brief Asks the processor for the entry of request `h` (any value is safe:
+  /// detail::prefetch_for_write) a few requests before the planner gets to it: the planner's
+  /// checks of a request are too long for the processor to start the next request's loads on its
+  /// own.
   [[gnu::always_inline]] void prefetch(std::uint32_t h, std::span<const std::int64_t>) const noexcept
   {
-    if (h < rows_.size()) { __builtin_prefetch(&rows_[h], 1); }
+    prefetch_for_write(rows_.data(), h);
   }
   /// @brief Checks blocks declared fresh (nothing to check: rows do not live in KV blocks).
   void check_blocks(std::span<const std::int64_t>, const char*) const noexcept {}
@@ -502,7 +504,8 @@ class per_request_store {
   static void take_fresh(request_rows& r, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
   {
     auto& run = r.recent;
-    if (count == 1 && run.count > 0 && run.per_step && first == run.first + run.count &&
+    // a per-step run holds at least one claim (it starts with one, and settling empties it whole)
+    if (count == 1 && run.per_step && first == run.first + run.count &&
         step == run.serial + static_cast<std::uint64_t>(run.count) && run.count < max_run_count) {
       ++run.count;  // the next step of a decoding request
     } else {
