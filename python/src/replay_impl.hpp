@@ -6,6 +6,7 @@
 
 #include "replay_base.hpp"
 
+#include <routing_replay/detail/kernels.hpp>
 #include <routing_replay/detail/macros.hpp>
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/routing_replay.hpp>
@@ -43,17 +44,32 @@ inline constexpr std::int32_t unstaged = -2147483647 - 1;  // INT32_MIN
 
 /// @brief Staging path, during the forward: the first K columns of a router output, as int32
 /// (ids outside the int32 range are clamped, so they stay invalid), into one layer of the staging
-/// buffer [L, N_max, K]. One thread per (row, column).
+/// buffer [L, N_max, K]. One thread per (row, column), launched as the library launches its capture
+/// kernels (Backend::launch_dependent_async: a plain launch with no occupancy query or device
+/// lookup, its start overlapping the router's end where the device allows).
 template <class Source>
 struct stage_layer {
   std::int32_t* staging;       ///< the layer's [N_max, K] slab
   const Source* source;        ///< [rows, stride], row-major
   std::int64_t source_stride;  ///< elements between source rows
   std::int32_t top_k;          ///< K
+  std::int64_t items;          ///< rows * K
 
-  /// @brief Stages element `i` (row i / K, column i % K).
-  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int64_t i) const noexcept
+  /// @brief Enqueues the kernel for `rows` rows on `stream`.
+  template <class Backend>
+  static void launch(std::int32_t* staging, const Source* source, std::int64_t source_stride, std::int32_t top_k,
+                     std::int64_t rows, typename Backend::stream_ref stream)
   {
+    const std::int64_t items = rows * top_k;
+    Backend::launch_dependent_async(detail::blocks_for(items), detail::kernel_block_threads,
+                                    stage_layer{staging, source, source_stride, top_k, items}, stream);
+  }
+
+  /// @brief Stages element block * threads + thread (row i / K, column i % K) if it is one.
+  ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t block, std::int32_t thread) const noexcept
+  {
+    const std::int64_t i = static_cast<std::int64_t>(block) * detail::kernel_block_threads + thread;
+    if (i >= items) { return; }
     const std::int64_t row = i / top_k;
     const std::int64_t col = i % top_k;
     const auto id          = static_cast<std::int64_t>(source[row * source_stride + col]);
@@ -265,8 +281,8 @@ class replay_impl final : public replay_base {
         visit_dtype(ids.dtype, [&](auto tag) {
           using source       = decltype(tag);
           const auto* first = static_cast<const source*>(ids.data) + o.source_row_offset * ids.row_stride;
-          Backend::bulk_async(num_tokens * c.top_k,
-                              stage_layer<source>{Backend::data(scratch_), first, ids.row_stride, c.top_k}, s);
+          stage_layer<source>::template launch<Backend>(Backend::data(scratch_), first, ids.row_stride, c.top_k,
+                                                        num_tokens, s);
         });
       }
       o.source_row_offset = 0;
@@ -295,9 +311,8 @@ class replay_impl final : public replay_base {
     std::int32_t* layer = Backend::data(staging_) + static_cast<std::int64_t>(slot) * c.max_tokens_per_step * c.top_k;
     auto stage          = [&](auto tag) {
       using source = decltype(tag);
-      Backend::bulk_async(num_tokens * c.top_k,
-                          stage_layer<source>{layer, static_cast<const source*>(ids.data), ids.row_stride, c.top_k},
-                          streams::from(stream));
+      stage_layer<source>::template launch<Backend>(layer, static_cast<const source*>(ids.data), ids.row_stride,
+                                                    c.top_k, num_tokens, streams::from(stream));
     };
     if constexpr (on_host) {
       require_host_int64(ids, "capture");
