@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Call 3 of this folder, a fresh machine (carry .deps .baseline; .baseline staged with
 # scripts/stage_baseline.sh fa0e384, the tree before this folder's change): both trees' C++ engine
-# loop built at once (and both Python packages in the background, for call4.sh on the same warm
-# machine), then alternating rounds (which tree first alternates too) of the engine loop with
-# device scatter, both storages, eager and CUDA graph, decode B1024 and B64, until ROUND_BUDGET_S.
+# loop built at once (and both Python packages in the background, for call 4 on the same warm
+# machine) and launch_probe.cu (run once the builds are done), then alternating rounds (which tree
+# first alternates too) of the engine loop with device scatter, both storages, eager and CUDA
+# graph, decode B1024 and B64, until ROUND_BUDGET_S.
 # Calls 1 and 2 read both trees three and four times; this call asks for enough rounds to tell
 # `begin_us` apart through the machine's slow phases. Every line carries its round and tree.
 # Usage (repository root): OUT=... benchmarks/results/h200-2026-11-26-planner-trim/call3.sh
@@ -25,8 +26,11 @@ for tree in head base; do
       -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF &&
     cmake --build "$dir" -j 6 --target engine_loop ) >"$logs/build_$tree.log" 2>&1 &
 done
+nvcc -std=c++20 -O3 -DNDEBUG -arch=native -I include "$(dirname "$0")/launch_probe.cu" -o build/launch_probe \
+  >"$logs/build_launch_probe.log" 2>&1 &
 wait $(jobs -p | grep -v "^$py_build$")
 echo "== built at $(( $(date +%s) - start )) s"
+build/launch_probe | tee "$out/launch_probe.jsonl"
 for round in $(seq 1 40); do
   if [ $(( $(date +%s) - start )) -gt "${ROUND_BUDGET_S:-420}" ]; then echo "== round $round not started"; break; fi
   trees="base head"; [ $(( round % 2 )) = 0 ] && trees="head base"
