@@ -48,6 +48,18 @@ __global__ void block_kernel(Op op)
   }
 }
 
+/// @brief The configuration of a launch of `num_blocks` blocks of `block_threads` threads on
+/// `stream`: no dynamic shared memory, no attributes.
+[[nodiscard]] inline cudaLaunchConfig_t launch_config(std::int32_t num_blocks, std::int32_t block_threads,
+                                                      cudaStream_t stream) noexcept
+{
+  cudaLaunchConfig_t config{};
+  config.gridDim  = dim3(static_cast<unsigned>(num_blocks));
+  config.blockDim = dim3(static_cast<unsigned>(block_threads));
+  config.stream   = stream;
+  return config;
+}
+
 /// @brief As block_kernel, launched as a programmatic dependent of the kernel before it on the
 /// stream: its blocks may be scheduled while that kernel finishes, and wait here for its results.
 template <class Op>
@@ -211,8 +223,14 @@ struct cuda_backend {
   static void launch_async(std::int32_t num_blocks, std::int32_t block_threads, Op op, stream_ref stream)
   {
     if (num_blocks <= 0 || block_threads <= 0) { return; }
-    detail::block_kernel<<<static_cast<unsigned>(num_blocks), static_cast<unsigned>(block_threads), 0, stream.get()>>>(op);
-    detail::check_cuda(cudaGetLastError(), "kernel launch");
+    // cudaLaunchKernelEx, not <<<>>>: the triple chevrons push and pop a launch configuration
+    // around cudaLaunchKernel and leave the error to a cudaGetLastError() after it
+    const cudaLaunchConfig_t config = detail::launch_config(num_blocks, block_threads, stream.get());
+    const cudaError_t status        = cudaLaunchKernelEx(&config, detail::block_kernel<Op>, op);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();  // a refused launch is reported once, here
+      detail::check_cuda(status, "kernel launch");
+    }
   }
 
   /// @brief Whether launch_dependent_async overlaps launches (set false to launch plainly, e.g. next
@@ -234,12 +252,9 @@ struct cuda_backend {
       cudaLaunchAttribute attribute{};
       attribute.id                                         = cudaLaunchAttributeProgrammaticStreamSerialization;
       attribute.val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t config{};
-      config.gridDim  = dim3(static_cast<unsigned>(num_blocks));
-      config.blockDim = dim3(static_cast<unsigned>(block_threads));
-      config.stream   = stream.get();
-      config.attrs    = &attribute;
-      config.numAttrs = 1;
+      cudaLaunchConfig_t config = detail::launch_config(num_blocks, block_threads, stream.get());
+      config.attrs              = &attribute;
+      config.numAttrs           = 1;
       if (cudaLaunchKernelEx(&config, detail::dependent_block_kernel<Op>, op) == cudaSuccess) { return; }
       (void)cudaGetLastError();  // clear the refusal: a plain launch follows
       refused.store(true, std::memory_order_relaxed);

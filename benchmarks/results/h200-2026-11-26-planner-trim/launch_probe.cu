@@ -1,9 +1,10 @@
 // Host time of one launch of the staging kernel's shape (64 rows of K = 8 int64 ids into int32), by
-// the three ways the library and its binding can enqueue it: cub::DeviceFor::Bulk (the binding's
-// staged capture before this folder's change), cuda_backend::launch_async (a plain <<<>>> launch)
-// and cuda_backend::launch_dependent_async (cudaLaunchKernelEx with programmatic stream
-// serialization, as capture() launches). Each way: 1000 launches back to back on one stream, then
-// a synchronize; the median over 15 such batches, alternating the ways. One JSON line per way.
+// the ways the library and its binding can enqueue it: cub::DeviceFor::Bulk (the binding's staged
+// capture before this folder's change), triple chevrons and cudaGetLastError() (launch_async before
+// this folder's change), cuda_backend::launch_async (cudaLaunchKernelEx, no attributes, since) and
+// cuda_backend::launch_dependent_async (cudaLaunchKernelEx with programmatic stream serialization,
+// as capture() launches). Each way: 1000 launches back to back on one stream, then
+// a synchronize; the median over 16 such batches, alternating the ways. One JSON line per way.
 // Build (repository root): nvcc -std=c++20 -O3 -DNDEBUG -arch=native -I include
 //   benchmarks/results/h200-2026-11-26-planner-trim/launch_probe.cu -o build/launch_probe
 #include <routing_replay/cuda_backend.cuh>
@@ -65,27 +66,33 @@ int main()
   const cuda::stream_ref ref{s};
   const int blocks = rr::detail::blocks_for(items);
   auto cub_bulk    = [&] { cub::DeviceFor::Bulk(items, stage_item{out, in}, s); };
-  auto plain       = [&] { rr::cuda_backend::launch_async(blocks, rr::detail::kernel_block_threads, stage_block{out, in, items}, ref); };
+  auto chevrons    = [&] {
+    rr::detail::block_kernel<<<blocks, rr::detail::kernel_block_threads, 0, s>>>(stage_block{out, in, items});
+    (void)cudaGetLastError();
+  };
+  auto plain = [&] { rr::cuda_backend::launch_async(blocks, rr::detail::kernel_block_threads, stage_block{out, in, items}, ref); };
   auto dependent   = [&] {
     rr::cuda_backend::launch_dependent_async(blocks, rr::detail::kernel_block_threads, stage_block{out, in, items}, ref);
   };
+  constexpr int ways = 4;
   auto run_way = [&](int way) {
     switch (way) {
       case 0: return batch_us(cub_bulk, s);
-      case 1: return batch_us(plain, s);
+      case 1: return batch_us(chevrons, s);
+      case 2: return batch_us(plain, s);
       default: return batch_us(dependent, s);
     }
   };
-  for (int way = 0; way < 3; ++way) { run_way(way); }  // warm-up: modules loaded, caches filled
-  std::vector<double> t[3];
-  for (int b = 0; b < 15; ++b) {
-    for (int k = 0; k < 3; ++k) {  // which way goes first rotates
-      const int way = (b + k) % 3;
+  for (int way = 0; way < ways; ++way) { run_way(way); }  // warm-up: modules loaded, caches filled
+  std::vector<double> t[ways];
+  for (int b = 0; b < 16; ++b) {
+    for (int k = 0; k < ways; ++k) {  // which way goes first rotates
+      const int way = (b + k) % ways;
       t[way].push_back(run_way(way));
     }
   }
-  const char* names[3] = {"cub_device_for_bulk", "launch_async", "launch_dependent_async"};
-  for (int way = 0; way < 3; ++way) {
+  const char* names[ways] = {"cub_device_for_bulk", "triple_chevrons", "launch_async", "launch_dependent_async"};
+  for (int way = 0; way < ways; ++way) {
     std::sort(t[way].begin(), t[way].end());
     std::printf("{\"probe\": \"launch\", \"way\": \"%s\", \"items\": %lld, \"us_per_launch\": %.3f, "
                 "\"min\": %.3f, \"max\": %.3f}\n",
