@@ -22,6 +22,10 @@
 namespace rr = routing_replay;
 
 static_assert(rr::backend<rr::cuda_backend>);
+// an asynchronous CUDA error is returned by every later call: the copy's event reports a failure
+// on the compute stream; the fault-injecting wrapper keeps every query a failure point
+static_assert(rr::failures_are_sticky<rr::cuda_backend>);
+static_assert(!rr::failures_are_sticky<rr_test::faulty_backend<rr::cuda_backend>>);
 static_assert(std::is_trivially_copyable_v<rr::RoutingReplay<rr::cuda_backend>::ref_type>);
 
 namespace {

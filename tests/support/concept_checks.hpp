@@ -45,6 +45,9 @@ static_assert(!rr::host_storage<rr::sync_copy>);
 
 static_assert(rr::backend<rr::host_backend>);
 static_assert(!rr::backend<rr::per_request_storage>);
+// a host stream's failure reaches the host through the next event recorded on that stream only,
+// so the copy pipeline also queries the snapshot's event (CUDA's failures are sticky: test_cuda.cu)
+static_assert(!rr::failures_are_sticky<rr::host_backend>);
 
 // sentinels: a missing row never reads as a valid expert id, and every byte of one is 0xFF
 static_assert(rr::index_traits<std::uint8_t>::sentinel == 255 && rr::index_traits<std::uint8_t>::max_experts == 255);
