@@ -55,6 +55,23 @@ inline host_stream_ref::host_stream_ref(host_stream& stream) noexcept : queue_(s
 {
 }
 
+/// @brief Runs the calling thread's work on an idle host stream at once, on the calling thread,
+/// while it is alive: the host analogue of nothing CUDA has, for work that reads memory the caller
+/// is about to reuse (a router output the engine overwrites at the next layer). A launch that
+/// would have run next anyway runs before the call returns, so the caller neither copies what the
+/// work reads nor pays the worker's wake. Other threads' work on the stream waits for it to end.
+/// On a stream with work pending or running, active() is false and nothing changes.
+class host_inline_scope {
+ public:
+  /// @brief Holds `stream` for the calling thread if it is idle.
+  explicit host_inline_scope(host_stream_ref stream) : section_(stream.queue()) {}
+  /// @brief Whether the calling thread's work on the stream runs at once, on this thread.
+  [[nodiscard]] bool active() const noexcept { return section_.active(); }
+
+ private:
+  detail::host_queue::inline_section section_;
+};
+
 /// @brief An owning host event (move-only). Recording it on a stream marks the work enqueued so far.
 class host_event {
  public:
@@ -109,6 +126,10 @@ struct host_backend {
   {
     if (width == 0 || height == 0) { return; }
     stream.queue().enqueue([=] {
+      if (dst_pitch == width && src_pitch == width) {  // contiguous rows: one copy
+        std::memcpy(dst, src, width * height);
+        return;
+      }
       for (std::size_t r = 0; r < height; ++r) {
         std::memcpy(static_cast<unsigned char*>(dst) + r * dst_pitch,
                     static_cast<const unsigned char*>(src) + r * src_pitch,

@@ -33,7 +33,7 @@ struct capture_layer_span {
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t block, std::int32_t thread) const noexcept
   {
     const std::int64_t first = span->first_row;
-    const std::int64_t row   = (static_cast<std::int64_t>(block) * kernel_block_threads + thread) / inner.top_k;
+    const std::int64_t row   = item_of(block, thread) / inner.top_k;
     if (row >= span->num_rows || first < 0) { return; }
     auto shifted = inner;
     shifted.source += first * inner.source_stride;

@@ -506,7 +506,9 @@ dtype_code dtype_from_dlpack(nb::dlpack::dtype t)
 
 /// What a capture kernel reads. On the host backend the ids are snapshot during the call, so the
 /// caller may reuse or free its array at once (Python writes are not ordered with host streams);
-/// the snapshot lives until the stream has run the kernel.
+/// the snapshot lives until the stream has run the kernel. A capture that reads its int64 ids
+/// before the call returns (`read_in_call`: staged on an idle stream, host_inline_scope) takes
+/// no snapshot.
 struct capture_source {
   id_array ids;
   capture_options options;
@@ -516,7 +518,8 @@ struct capture_source {
 
 capture_source capture_source_of(const replay_handle& h, std::uintptr_t data, std::int32_t dtype,
                                  std::int64_t num_tokens, std::int64_t row_stride, std::int64_t row_offset,
-                                 std::uintptr_t physical_to_logical, std::int64_t num_physical)
+                                 std::uintptr_t physical_to_logical, std::int64_t num_physical,
+                                 bool read_in_call = false)
 {
   if (dtype < 0 || dtype > static_cast<std::int32_t>(dtype_code::u64)) { throw nb::value_error("bad dtype code"); }
   if (row_offset < 0) { throw nb::value_error("row_offset must be >= 0"); }
@@ -536,7 +539,9 @@ capture_source capture_source_of(const replay_handle& h, std::uintptr_t data, st
   const std::int64_t k = h.impl->config().top_k;
   s.ids.dtype          = dtype_code::i64;
   s.ids.data           = base;  // a null pointer or a short stride: the library refuses it
-  if (base != nullptr && num_tokens > 0 && row_stride >= k) {
+  if (read_in_call && d == dtype_code::i64) {
+    if (base != nullptr) { s.ids.data = base + row_offset * row_stride * std::int64_t{sizeof(std::int64_t)}; }  // NOLINT
+  } else if (base != nullptr && num_tokens > 0 && row_stride >= k) {
     s.ids_copy = h.snapshots->take(static_cast<std::size_t>(num_tokens * k));
     auto* out  = s.ids_copy->data();
     visit_dtype(d, [&](auto tag) {
@@ -573,6 +578,22 @@ void hold_until_done(const replay_handle& h, std::uintptr_t stream, capture_sour
   if (h.backend == backend_kind::host && (s.ids_copy || s.map_copy)) {
     reinterpret_cast<host_stream*>(stream)->enqueue([ids = std::move(s.ids_copy), map = std::move(s.map_copy)] {});  // NOLINT
   }
+}
+
+/// The drop-in's capture: stages `rows` rows of a router output on `stream`. On the host backend an
+/// int64 output staged on an idle stream is copied in the call, on this thread
+/// (host_inline_scope): no snapshot, and no task for the stream's worker, which a forward's layers
+/// would otherwise wake one by one.
+void stage_capture(replay_handle& h, std::int32_t layer, std::uintptr_t data, std::int32_t dtype, std::int64_t rows,
+                   std::int64_t row_stride, std::uintptr_t stream)
+{
+  std::optional<host_inline_scope> idle_stream;
+  if (h.backend == backend_kind::host && dtype == static_cast<std::int32_t>(dtype_code::i64) && stream != 0) {
+    idle_stream.emplace(host_stream_ref{*reinterpret_cast<host_stream*>(stream)});  // NOLINT: the handle protocol
+  }
+  capture_source s = capture_source_of(h, data, dtype, rows, row_stride, 0, 0, 0, idle_stream && idle_stream->active());
+  h.impl->stage_capture(layer, s.ids, rows, stream);
+  hold_until_done(h, stream, s);
 }
 
 // ---- factories ----------------------------------------------------------------------------------
@@ -834,13 +855,7 @@ NB_MODULE(_core, m)
          },
          "layer"_a, "data"_a, "dtype"_a, "num_tokens"_a, "row_stride"_a, "stream"_a, "row_offset"_a = 0,
          "physical_to_logical"_a = 0, "num_physical"_a = 0)
-    .def("stage_capture",
-         [](rp::replay_handle& h, std::int32_t layer, std::uintptr_t data, std::int32_t dtype, std::int64_t num_tokens,
-            std::int64_t row_stride, std::uintptr_t stream) {
-           rp::capture_source s = rp::capture_source_of(h, data, dtype, num_tokens, row_stride, 0, 0, 0);
-           h.impl->stage_capture(layer, s.ids, num_tokens, stream);
-           rp::hold_until_done(h, stream, s);
-         })
+    .def("stage_capture", &rp::stage_capture)
     .def("capture_array",
          [](rp::replay_handle& h, std::int32_t layer, nb::handle array, std::uintptr_t stream, bool staged) {
            // the host backend's hot path: a plain 2-D integer array read through the buffer protocol,
@@ -859,14 +874,14 @@ NB_MODULE(_core, m)
              return false;
            }
            const std::int64_t row_stride = rows == 1 ? std::max<std::int64_t>(ids.stride(0), cols) : ids.stride(0);
-           rp::capture_source s = rp::capture_source_of(h, reinterpret_cast<std::uintptr_t>(ids.data()),
-                                                        static_cast<std::int32_t>(rp::dtype_from_dlpack(t)), rows,
-                                                        row_stride, 0, 0, 0);
+           const auto data               = reinterpret_cast<std::uintptr_t>(ids.data());
+           const auto dtype              = static_cast<std::int32_t>(rp::dtype_from_dlpack(t));
            if (staged) {
-             h.impl->stage_capture(layer, s.ids, rows, stream);
-           } else {
-             h.impl->capture(layer, s.ids, rows, stream, s.options);
+             rp::stage_capture(h, layer, data, dtype, rows, row_stride, stream);
+             return true;
            }
+           rp::capture_source s = rp::capture_source_of(h, data, dtype, rows, row_stride, 0, 0, 0);
+           h.impl->capture(layer, s.ids, rows, stream, s.options);
            rp::hold_until_done(h, stream, s);
            return true;
          },

@@ -113,6 +113,29 @@ def test_drop_in_matches_plain_reference(device, copy):
     assert capturer.get_routed_experts("never-seen") is None
 
 
+@pytest.mark.parametrize("rows", [3, 2500])
+def test_router_outputs_reused_after_capture(device, rows):
+    """The engine may overwrite a router output as soon as capture() returns (host backend: the
+    capture either reads it in the call, on an idle stream, or copies it; 2500 rows of K int64 ids
+    are past the size read in the call). Each layer's array is overwritten with invalid ids at
+    once, and every step follows the previous one's post-forward call without a pause, so some
+    captures find the stream still busy with the end of the step before."""
+    capturer = RoutedExpertsCapturer(L, K, 4096, MAX_LEN, S, device.name, num_experts=E)
+    steps = 6
+    want = np.empty((steps, L, rows, K), dtype=np.int64)
+    for step in range(steps):
+        for layer in range(L):
+            ids = (np.arange(rows * (K + S), dtype=np.int64).reshape(rows, K + S) * 7 + step * 5 + layer) % E
+            want[step, layer] = ids[:, :K]
+            capturer.capture(layer, ids if device.backend == "host" else make_array(device, ids))
+            ids[:] = E + 3  # out of range: a late read would refuse the step
+        scheduled = OrderedDict((f"r{i}", 1) for i in range(rows))
+        capturer.sync_fwd_experts_buffer_DtoH(positions_of(device, [step] * rows), scheduled)
+    capturer.finalize_pending_copy()
+    for i in (0, rows // 2, rows - 1):
+        np.testing.assert_array_equal(capturer.get_routed_experts(f"r{i}"), want[:, :, i])
+
+
 def test_free_slot_false_keeps_the_request(device):
     capturer = RoutedExpertsCapturer(L, K, N_MAX, MAX_LEN, 0, device.name, num_experts=E)
     ids = np.arange(3 * K).reshape(3, K) % E

@@ -9,6 +9,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -433,4 +435,66 @@ TEST_CASE("host backend: streams run in order, asynchronously; events order stre
   rr::host_backend::synchronize(b.ref());
   CHECK(seen == 1);  // b's task ran after a's, through the event
   CHECK(rr::host_backend::ready(done));
+}
+
+TEST_CASE("host_inline_scope: an idle stream runs the holder's work at once, in order, failures reported as usual")
+{
+  rr::host_stream s;
+  rr::host_event done;
+  const auto caller = std::this_thread::get_id();
+  {
+    rr::host_inline_scope scope{s.ref()};
+    REQUIRE(scope.active());
+    std::thread::id ran_on{};
+    int order = 0;
+    rr::host_backend::bulk_async(1, [&](std::int64_t) { ran_on = std::this_thread::get_id(); order = 1; }, s.ref());
+    CHECK(ran_on == caller);  // before the launch returned, on this thread
+    rr::host_backend::bulk_async(1, [&](std::int64_t) { order = order == 1 ? 2 : -1; }, s.ref());
+    CHECK(order == 2);
+    rr::host_backend::record(done, s.ref());
+    CHECK(rr::host_backend::ready(done));
+    rr::host_backend::bulk_async(1, [](std::int64_t) { throw std::runtime_error{"inline fault"}; }, s.ref());
+  }
+  rr_test::expect_error([&] { s.synchronize(); }, rr::errc::backend_error, {"inline fault"});
+  s.synchronize();  // reported once
+}
+
+TEST_CASE("host_inline_scope: holds nothing on a busy stream; other threads' work waits for it")
+{
+  rr::host_stream s;
+  std::atomic<bool> release{false};
+  rr::host_backend::bulk_async(1, [&](std::int64_t) {
+    while (!release.load()) { std::this_thread::yield(); }
+  }, s.ref());
+  {
+    rr::host_inline_scope busy{s.ref()};
+    CHECK_FALSE(busy.active());  // work is running: the launch below is queued behind it
+    std::thread::id ran_on{};
+    rr::host_backend::bulk_async(1, [&](std::int64_t) { ran_on = std::this_thread::get_id(); }, s.ref());
+    release = true;
+    s.synchronize();
+    CHECK(ran_on != std::this_thread::get_id());
+  }
+  std::vector<int> order;
+  std::mutex order_mutex;
+  auto note = [&](int v) {
+    const std::lock_guard lock{order_mutex};
+    order.push_back(v);
+  };
+  std::atomic<bool> other_started{false};
+  std::thread other;
+  {
+    rr::host_inline_scope scope{s.ref()};
+    REQUIRE(scope.active());
+    other = std::thread{[&] {
+      other_started = true;
+      rr::host_backend::bulk_async(1, [&](std::int64_t) { note(2); }, s.ref());  // waits for the scope
+    }};
+    while (!other_started.load()) { std::this_thread::yield(); }
+    std::this_thread::sleep_for(std::chrono::milliseconds{5});
+    rr::host_backend::bulk_async(1, [&](std::int64_t) { note(1); }, s.ref());
+  }
+  other.join();
+  s.synchronize();
+  CHECK(order == std::vector<int>{1, 2});
 }

@@ -89,12 +89,48 @@ class host_queue {
     worker_.join();  // drains every task enqueued before destruction, as cudaStreamDestroy does
   }
 
-  /// @brief Appends a task; it runs after every task enqueued before it.
+  /// @brief Holds an idle queue for the thread that builds it: while it is alive, tasks that thread
+  /// enqueues run at once on that thread, where the worker would have run them next, and other
+  /// threads' enqueues wait for it to end. On a queue with work pending or running it holds
+  /// nothing (active() is false) and enqueues behave as always.
+  ///
+  /// Why: a task that reads the caller's memory must otherwise either copy it first (the caller may
+  /// reuse it as soon as the call returns) or make the caller wait; on an idle queue running it
+  /// here does neither, and spares waking the worker (a system call on the caller's thread).
+  class inline_section {
+   public:
+    /// @brief Holds `queue` if it is idle and no other section holds it.
+    explicit inline_section(host_queue& queue) : queue_(&queue), active_(queue.try_hold()) {}
+    inline_section(const inline_section&)            = delete;
+    inline_section& operator=(const inline_section&) = delete;
+    /// @brief Lets the worker and other threads have the queue again.
+    ~inline_section()
+    {
+      if (active_) { queue_->release(); }
+    }
+    /// @brief Whether this thread's tasks on the queue run at once, on this thread.
+    [[nodiscard]] bool active() const noexcept { return active_; }
+
+   private:
+    host_queue* queue_;
+    bool active_;
+  };
+
+  /// @brief Appends a task; it runs after every task enqueued before it (at once, on the calling
+  /// thread, inside that thread's inline_section).
   void enqueue(std::function<void()> task)
   {
     bool sleeping = false;
     {
-      std::lock_guard lock{mutex_};
+      std::unique_lock lock{mutex_};
+      if (holder_ != std::thread::id{}) {
+        if (holder_ == std::this_thread::get_id()) {
+          lock.unlock();
+          run_here(task);
+          return;
+        }
+        released_.wait(lock, [&] { return holder_ == std::thread::id{}; });
+      }
       tasks_.push_back(std::move(task));
       enqueued_.fetch_add(1, std::memory_order_release);
       sleeping = sleeping_;
@@ -151,19 +187,55 @@ class host_queue {
       auto task = std::move(tasks_.front());
       tasks_.pop_front();
       lock.unlock();
-      task_failure failure;
-      try {
-        task();
-      } catch (const std::exception& e) {
-        failure = std::string{"a task on a host stream failed: "} + e.what();
-      } catch (...) {
-        failure = std::string{"a task on a host stream failed"};
-      }
+      task_failure failure = run_task(task);
       lock.lock();
       if (failure && !failure_) { failure_ = failure; }
       ++completed_;
       idle_.notify_all();
     }
+  }
+
+  // Runs a task, describing how it failed (on the thread that ran it).
+  static task_failure run_task(const std::function<void()>& task)
+  {
+    try {
+      task();
+    } catch (const std::exception& e) {
+      return std::string{"a task on a host stream failed: "} + e.what();
+    } catch (...) {
+      return std::string{"a task on a host stream failed"};
+    }
+    return std::nullopt;
+  }
+
+  // A task of the thread holding the queue (inline_section): it runs now, its failure reported as
+  // the worker's would be (no task is pending or running, so none comes between).
+  void run_here(const std::function<void()>& task)
+  {
+    task_failure failure = run_task(task);
+    if (!failure) { return; }
+    std::lock_guard lock{mutex_};
+    if (!failure_) { failure_ = std::move(failure); }
+  }
+
+  bool try_hold()
+  {
+    std::lock_guard lock{mutex_};
+    if (!tasks_.empty() || completed_ != enqueued_.load(std::memory_order_relaxed) || stopping_ ||
+        holder_ != std::thread::id{}) {
+      return false;
+    }
+    holder_ = std::this_thread::get_id();
+    return true;
+  }
+
+  void release()
+  {
+    {
+      std::lock_guard lock{mutex_};
+      holder_ = std::thread::id{};
+    }
+    released_.notify_all();
   }
 
   // Why a worker spins before it sleeps: an engine enqueues in bursts (a forward's captures, one
@@ -184,12 +256,14 @@ class host_queue {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable idle_;
+  std::condition_variable released_;  // an inline_section ended
   std::deque<std::function<void()>> tasks_;
   std::atomic<std::uint64_t> enqueued_{0};  // written under the mutex; the idle spin reads it without
   std::uint64_t completed_ = 0;
   task_failure failure_;
   bool stopping_ = false;
   bool sleeping_ = false;  // the worker waits on wake_: enqueue() must notify
+  std::thread::id holder_;  // the thread whose inline_section holds the queue (none: default id)
   std::thread worker_;  // last: starts after every other member is constructed
 };
 

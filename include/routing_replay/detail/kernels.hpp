@@ -70,6 +70,14 @@ inline constexpr std::int32_t kernel_block_threads = 256;
   return static_cast<std::int32_t>((items + kernel_block_threads - 1) / kernel_block_threads);
 }
 
+/// @brief The item thread `thread` of block `block` handles in a kernel of kernel_block_threads
+/// threads a block, one item a thread (callers check it against their item count).
+template <class Int = std::int64_t>
+[[nodiscard]] ROUTING_REPLAY_HOST_DEVICE constexpr Int item_of(std::int32_t block, std::int32_t thread) noexcept
+{
+  return static_cast<Int>(block) * kernel_block_threads + thread;
+}
+
 /// @brief capture(): copies the first K columns of a router's top-k output into one layer of D,
 /// narrowing each id to Index once. One thread per (row, column), 32-bit index arithmetic.
 ///
@@ -91,7 +99,7 @@ struct capture_layer {
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t block, std::int32_t thread) const noexcept
   {
-    const std::int32_t i = block * kernel_block_threads + thread;
+    const auto i = item_of<std::int32_t>(block, thread);
     if (i >= num_items) { return; }
     const std::int32_t row    = i / top_k;
     const std::int32_t column = i - row * top_k;
@@ -158,7 +166,7 @@ struct harvest_rows {
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t block, std::int32_t thread) const noexcept
   {
-    const std::int64_t i = static_cast<std::int64_t>(block) * kernel_block_threads + thread;
+    const auto i = item_of(block, thread);
     if (i == 0) {
       // capture kernels of this step have finished (stream order); nothing else touches them now
       // absorbed, not assigned: a merge may already be reporting into the step's status
