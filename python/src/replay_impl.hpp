@@ -51,44 +51,45 @@ struct stream_cast<host_backend> {
 template <class Backend>
 using staged_id_t = std::conditional_t<std::is_same_v<Backend, host_backend>, std::int64_t, std::int32_t>;
 
+/// @brief Copies `bytes` (a multiple of 8) from `src` to `dst` (8-byte aligned) with stores that
+/// bypass the cache where the processor has them (x86 SSE2; the caller fences once after its
+/// copies), memcpy elsewhere.
+inline void copy_bypassing_cache(std::int64_t* dst, const std::int64_t* src, std::size_t bytes) noexcept
+{
+#if defined(__SSE2__) && !defined(__CUDACC__)
+  auto* out      = reinterpret_cast<unsigned char*>(dst);        // NOLINT
+  const auto* in = reinterpret_cast<const unsigned char*>(src);  // NOLINT
+  if ((reinterpret_cast<std::uintptr_t>(out) & 15u) != 0 && bytes >= 8) {  // NOLINT: to 16-byte alignment
+    std::memcpy(out, in, 8);
+    out += 8;
+    in += 8;
+    bytes -= 8;
+  }
+  for (; bytes >= 16; bytes -= 16, out += 16, in += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(out), _mm_loadu_si128(reinterpret_cast<const __m128i*>(in)));  // NOLINT
+  }
+  if (bytes > 0) { std::memcpy(out, in, bytes); }
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
 /// @brief Host staging: copies the first `k` of every `stride` int64 ids of `rows` rows to `dst`
-/// (compact, 8-byte aligned) with stores that bypass the cache where the processor has them (x86
-/// SSE2), memcpy elsewhere. Each layer's slab is written once a step and read by the end of the
-/// step on another thread, so the lines written are not in this core's cache, and an ordinary store
-/// reads each line first: on the CPU machine a 64 KiB copy took 5.3 to 6.2 us so, 3.8 bypassing
-/// the cache.
+/// (compact) past the cache (copy_bypassing_cache()). Each layer's slab is written once a step and
+/// read by the end of the step on another thread, so the lines written are not in this core's
+/// cache, and an ordinary store reads each line first: on the CPU machine a 64 KiB copy took 5.3 to
+/// 6.2 us so, 3.8 bypassing the cache.
 inline void stage_rows_bypassing_cache(std::int64_t* dst, const std::int64_t* src, std::int64_t k, std::int64_t stride,
                                        std::int64_t rows) noexcept
 {
-  const bool compact = stride == k;
   const auto row_bytes = static_cast<std::size_t>(k) * sizeof(std::int64_t);
-#if defined(__SSE2__) && !defined(__CUDACC__)
-  auto copy = [](unsigned char* out, const unsigned char* in, std::size_t bytes) {
-    if ((reinterpret_cast<std::uintptr_t>(out) & 15u) != 0 && bytes >= 8) {  // NOLINT: alignment
-      std::memcpy(out, in, 8);
-      out += 8;
-      in += 8;
-      bytes -= 8;
-    }
-    for (; bytes >= 16; bytes -= 16, out += 16, in += 16) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out), _mm_loadu_si128(reinterpret_cast<const __m128i*>(in)));  // NOLINT
-    }
-    if (bytes > 0) { std::memcpy(out, in, bytes); }
-  };
-  auto* out      = reinterpret_cast<unsigned char*>(dst);      // NOLINT
-  const auto* in = reinterpret_cast<const unsigned char*>(src);  // NOLINT
-  if (compact) {
-    copy(out, in, row_bytes * static_cast<std::size_t>(rows));
+  if (stride == k) {  // contiguous rows: one copy
+    copy_bypassing_cache(dst, src, row_bytes * static_cast<std::size_t>(rows));
   } else {
-    for (std::int64_t r = 0; r < rows; ++r) { copy(out + r * row_bytes, in + r * stride * 8, row_bytes); }
+    for (std::int64_t r = 0; r < rows; ++r) { copy_bypassing_cache(dst + r * k, src + r * stride, row_bytes); }
   }
+#if defined(__SSE2__) && !defined(__CUDACC__)
   _mm_sfence();  // the stores ordered before whatever publishes the rows (a queue's mutex)
-#else
-  if (compact) {
-    std::memcpy(dst, src, row_bytes * static_cast<std::size_t>(rows));
-    return;
-  }
-  for (std::int64_t r = 0; r < rows; ++r) { std::memcpy(dst + r * k, src + r * stride, row_bytes); }
 #endif
 }
 

@@ -189,7 +189,7 @@ class host_queue {
       lock.unlock();
       task_failure failure = run_task(task);
       lock.lock();
-      if (failure && !failure_) { failure_ = failure; }
+      keep_first(std::move(failure));
       ++completed_;
       idle_.notify_all();
     }
@@ -215,7 +215,13 @@ class host_queue {
     task_failure failure = run_task(task);
     if (!failure) { return; }
     std::lock_guard lock{mutex_};
-    if (!failure_) { failure_ = std::move(failure); }
+    keep_first(std::move(failure));
+  }
+
+  // Keeps a task's failure unless an earlier one is still unreported (the mutex held).
+  void keep_first(task_failure failure)
+  {
+    if (failure && !failure_) { failure_ = std::move(failure); }
   }
 
   bool try_hold()
