@@ -128,7 +128,12 @@ class RoutingReplay
   {
     [[maybe_unused]] const auto inside = this->enter("begin_step");
     this->planner_.validate(plan, this->requests_, this->filer_);
-    buffer_.begin_step(plan.num_rows(), compute);
+    try {
+      buffer_.begin_step(plan.num_rows(), compute);
+    } catch (...) {
+      this->planner_.abandon(this->requests_, this->filer_);  // the step does not open: as before the call
+      throw;
+    }
     this->planner_.open(plan, this->requests_, this->filer_);  // commits: nothing past validate() throws a library error
   }
 

@@ -19,6 +19,9 @@ using per_request_replay = rr::RoutingReplay<rr::host_backend, std::int16_t, rr:
                                              rr::sync_copy, rr::per_request_storage>;
 using block_slot_replay  = rr::RoutingReplay<rr::host_backend, std::uint8_t, rr::token_major,
                                              rr::sync_copy, rr::block_slot_storage>;
+// claims the common runs of a plan while it validates it (row_filer::plans_fresh_runs)
+using scattered_replay   = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major,
+                                             rr::device_scatter<2>, rr::per_request_storage>;
 
 TEST_CASE_TEMPLATE("device-detected problems discard the step and lose nothing", RR,
                    per_request_replay, block_slot_replay,
@@ -84,7 +87,7 @@ TEST_CASE("an index type without room for the sentinel is refused at constructio
 }
 
 TEST_CASE_TEMPLATE("host-side errors name the bad value and change nothing", RR, per_request_replay,
-                   block_slot_replay)
+                   block_slot_replay, scattered_replay)
 {
   small_replay<RR> s;
   std::vector<std::int64_t> slots;
@@ -151,6 +154,27 @@ TEST_CASE_TEMPLATE("host-side errors name the bad value and change nothing", RR,
     rr::step_plan plan;
     plan.schedule({5, -1, 1, 0, slots});
     expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::position_out_of_range, {"[-1, 0)"});
+  }
+  SUBCASE("a plan refused after runs it could claim")
+  {
+    // both requests' runs are new positions in storage they have: a device scatter claims them as
+    // it checks the plan, and gives them back at the refusal
+    slots = {4, 5, 6};
+    rr::step_plan plan;
+    plan.schedule({5, 4, 1, 0, std::span<const std::int64_t>{slots.data(), 1}});
+    plan.schedule({"chat-1", 0, 0, 0, {}});
+    plan.schedule({"nobody", 0, 1, 0, std::span<const std::int64_t>{slots.data() + 1, 1}});
+    expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::unknown_request, {"request 'nobody'"});
+    plan.clear();
+    plan.schedule({5, 4, 1, 0, std::span<const std::int64_t>{slots.data(), 1}});
+    plan.schedule({"chat-1", 30, 3, 0, std::span<const std::int64_t>{slots.data(), 3}});
+    expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::position_out_of_range,
+                 {"request 'chat-1'", "[30, 33)"});
+    plan.clear();
+    plan.schedule({5, 4, 1, 0, std::span<const std::int64_t>{slots.data(), 1}});
+    plan.schedule({5, 5, 1, 0, std::span<const std::int64_t>{slots.data() + 1, 1}});
+    expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::duplicate_request,
+                 {"schedules request 5 twice"});
   }
   SUBCASE("a malformed plan")
   {

@@ -228,6 +228,15 @@ TEST_CASE("step_planner: a device scatter's common step is planned while it is v
   CHECK(code_of([&] { p.planner.validate(plan, p.requests, p.filer); }) == rr::errc::unknown_request);
   CHECK(p.requests[a].recorded_rows == 4);
   CHECK(p.planner.open_step() == nullptr);
+  // a plan accepted, then given up (what fails between validate() and open()), also
+  plan.clear();
+  plan.schedule(rr::request_handle{a, 0}, 4, 1);
+  p.planner.validate(plan, p.requests, p.filer);
+  CHECK(p.requests[a].recorded_rows == 5);  // claimed for the step open() would open
+  p.planner.abandon(p.requests, p.filer);
+  CHECK(p.requests[a].recorded_rows == 4);
+  CHECK(p.requests[a].open_step == p.planner.latest_serial());
+  CHECK(p.planner.open_step() == nullptr);
   // a recomputed position of b (claimed already) goes the long way; a's run was planned first
   plan.clear();
   plan.schedule(rr::request_handle{a, 0}, 4, 1);
@@ -237,6 +246,9 @@ TEST_CASE("step_planner: a device scatter's common step is planned while it is v
   CHECK(recompute.runs[0].recorded_after == 5);
   CHECK(recompute.runs[1].recorded_after == 3);
   CHECK(recompute.ops.size() == 1);  // b's rows stay (first write wins): a's piece alone
+  // the refused and abandoned plans gave a's claims back: its row lies right after the last
+  CHECK(recompute.ops[0].dst == decode.ops[0].dst + p.filer.row_elems());
+  CHECK(recompute.runs[0].recorded_before == 4);
   // drafts go the long way too, and open their group; b's run beside them is planned
   plan.clear();
   plan.schedule(rr::request_handle{a, 0}, 5, 2, 1);

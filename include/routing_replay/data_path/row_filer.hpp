@@ -189,36 +189,47 @@ class row_filer {
     run.recorded_after = r.recorded_rows;
   }
 
-  /// @brief Whether this filer plans the common step while the planner validates it
-  /// (plan_fresh(), commit_fresh()): per-request rows claimed when their step begins.
+  /// @brief Whether this filer claims the common run while the planner validates the step
+  /// (claim_fresh_provisionally()): per-request rows claimed when their step begins.
   static constexpr bool plans_fresh_runs = claims_when_planned && !Store::slot_indexed;
 
-  /// @brief claim_planned() of `run` split in two for the common run (new positions, no draft
-  /// pending or planned, in the request's last segment: every decode step and prefill chunk of a
-  /// request that does not grow): appends `run`, with the request's T before and after it, and its
-  /// pieces to `step`, and changes nothing else; commit_fresh() claims it when the step opens. False,
-  /// and nothing appended, for any other run (claim_planned() takes it).
-  bool plan_fresh(step_record<Index>& step,
-                  std::uint32_t h,
-                  const request_state& r,
-                  const scheduled_request& s,
-                  std::int64_t first_row)
+  /// @brief Claims made from now on by claim_fresh_provisionally() are provisional, until the next
+  /// call: room for `runs` of them.
+  void start_fresh_claims(std::size_t runs)
+    requires(plans_fresh_runs)
+  {
+    store_.start_provisional_claims(runs);
+  }
+
+  /// @brief claim_planned() of the common run (new positions, no draft pending or planned, in the
+  /// request's last segment: every decode step and prefill chunk of a request that does not grow)
+  /// for step `serial`, provisionally: appends the run, with the request's T before and after it,
+  /// and its pieces to `step`, and claims its rows in the request's store entry. False, and nothing
+  /// changed, for any other run (claim_planned() takes it). undo_fresh_claim() gives it back.
+  bool claim_fresh_provisionally(step_record<Index>& step,
+                                 std::uint32_t h,
+                                 request_state& r,
+                                 const scheduled_request& s,
+                                 std::int64_t first_row,
+                                 std::uint64_t serial)
     requires(plans_fresh_runs)
   {
     if (s.num_draft_tokens != 0 || !r.drafts.empty()) { return false; }
     Index* dst = nullptr;
     if (s.num_tokens > 0) {
-      dst = store_.fresh_destination(h, s.first_position, s.num_tokens);
+      dst = store_.claim_in_tail(h, s.first_position, s.num_tokens, serial);
       if (dst == nullptr) { return false; }
     }
     // built where it lives, each field written once: a run built aside and copied in would be
     // reloaded wide from narrow stores (a store-forwarding stall, as step_plan::entry explains), and
     // emplace_back() then assignments zeroed every field before writing it (callgrind: 9
     // instructions, 7 of them stores, a run)
+    const std::int64_t recorded_before = r.recorded_rows;
     const std::int64_t recorded_after =
-      dst != nullptr ? std::max(r.recorded_rows, s.first_position + s.num_tokens) : r.recorded_rows;
+      dst != nullptr ? std::max(recorded_before, s.first_position + s.num_tokens) : recorded_before;
     step.runs.emplace_back(h, r.generation, first_row, s.first_position, s.num_tokens, std::int32_t{0},
-                           std::int64_t{-1}, r.recorded_rows, recorded_after);
+                           std::int64_t{-1}, recorded_before, recorded_after);  // room was made
+    r.recorded_rows = recorded_after;
     if (dst == nullptr) { return true; }
     // one piece, on its own: the next run's rows go to another request's range, which it does not
     // continue in practice (add_piece() would look)
@@ -231,13 +242,14 @@ class row_filer {
     return true;
   }
 
-  /// @brief Claims the rows of `run`, planned by plan_fresh() for step `serial` (nothing has
-  /// changed the request since), for its request `r`.
-  void commit_fresh(const step_run& run, request_state& r, std::uint64_t serial) noexcept
+  /// @brief Gives back the claim of `run` for step `serial`, the newest of
+  /// claim_fresh_provisionally() not given back since start_fresh_claims(): its request `r` and
+  /// its store entry are as before.
+  void undo_fresh_claim(const step_run& run, request_state& r, std::uint64_t serial) noexcept
     requires(plans_fresh_runs)
   {
-    r.recorded_rows = run.recorded_after;
-    if (run.num_tokens > 0) { store_.commit_fresh(run.handle, run.first_position, run.num_tokens, serial); }
+    r.recorded_rows = run.recorded_before;
+    if (run.num_tokens > 0) { store_.undo_claim_in_tail(run.handle, run.first_position, serial); }
   }
 
   /// @brief Room in `step`'s pieces for a step of `num_rows` rows (claim_planned() then never

@@ -28,6 +28,9 @@ namespace routing_replay {
 /// A step is planned in two phases so that every host error surfaces before anything changes:
 /// validate() checks the whole plan (it throws, and the object is as before), open() commits it
 /// (reserving storage, taking fresh blocks, claiming rows where the store claims at plan time).
+/// Where the filer claims the common run while the plan is validated (Filer::plans_fresh_runs),
+/// validate() claims those runs as it checks them, one pass over the plan, and gives the claims back
+/// if it refuses the plan; a plan it accepted is opened with open() or given up with abandon().
 /// close() hands the record to the copy pipeline.
 template <class Index>
 class step_planner {
@@ -65,8 +68,9 @@ class step_planner {
   /// @brief Whether the open step schedules request state `r`.
   [[nodiscard]] bool schedules(const request_state& r) const noexcept { return open_ && r.open_step == serial_; }
 
-  /// @brief Checks `plan` against the live requests and `filer`'s store; changes nothing
-  /// observable.
+  /// @brief Checks `plan` against the live requests and `filer`'s store. Changes nothing observable
+  /// if it throws; if it returns, open() or abandon() must follow (Filer::plans_fresh_runs: the
+  /// common runs are claimed already, for the step open() will open).
   /// @throws error invalid_state, too_many_tokens, unknown_request, duplicate_request,
   /// position_out_of_range, slot_out_of_range, invalid_plan, host_memory_exhausted
   template <class Filer>
@@ -88,81 +92,32 @@ class step_planner {
     ++attempt_;
     store.begin_validation();
     // Filer::plans_fresh_runs: every run goes into the record in this pass, and the common ones
-    // with their pieces; the record is free (no step is open) and nothing reads it before open()
+    // with their pieces, claimed; the record is free (no step is open) and nothing reads it before
+    // open()
     if constexpr (Filer::plans_fresh_runs) {
       record_.runs.clear();
       record_.ops.clear();
       unplanned_.clear();
+      claimed_.clear();
       record_.runs.reserve(plan.entries().size());
+      claimed_.reserve(plan.entries().size());
       filer.reserve_pieces(record_, plan.num_rows());
+      filer.start_fresh_claims(plan.entries().size());
     }
-    // the loop keeps what it reads and accumulates in locals: the compiler cannot keep members in
-    // registers across the stores into request states and the record (they might alias)
-    std::size_t growth         = 0;
-    std::size_t tokens         = 0;
-    bool has_drafts            = false;
-    const std::uint64_t attempt = attempt_;
-    const std::int64_t max_len  = max_model_len_;
-    // every run's handle, written by index where open() needs them (the planned runs carry theirs)
-    if constexpr (!Filer::plans_fresh_runs) { handles_.resize(plan.entries().size()); }
-    std::uint32_t* next_handle = handles_.data();
-    const auto* const end      = plan.entries().data() + plan.entries().size();
-    for (const auto& entry : plan.entries()) {
-      const scheduled_request& s = entry.request;
-      if (end - &entry > prefetch_distance) { prefetch((&entry)[prefetch_distance].request, requests, store); }
-      if (s.num_tokens < 0) { throw_negative_tokens(s); }
-      if (entry.skipped) { continue; }
-      const std::uint32_t h = requests.find(s.id);
-      auto& r               = requests[h];
-      // messages name the request by its id, also when the plan names it by handle
-      if (r.planned_attempt == attempt) { throw_duplicate(*r.id); }
-      r.planned_attempt = attempt;
-      if (!request_fits(s, max_len)) { throw_request_outside(s, *r.id); }
-      if constexpr (Filer::store_type::slot_indexed) {
-        try {
-          store.check_slots(s.slots, s.num_tokens);
-        } catch (const error& e) {
-          throw error{e.code(), "request " + r.id->to_string() + ": " + e.what()};
-        }
-      }
-      tokens += static_cast<std::size_t>(s.num_tokens);
-      has_drafts = has_drafts || s.num_draft_tokens > 0;
-      if constexpr (Filer::plans_fresh_runs) {
-        // a run planned fresh lies in storage it already has: it does not grow
-        if (filer.plan_fresh(record_, h, r, s, entry.first_row)) { continue; }
-        unplanned_.push_back(static_cast<std::uint32_t>(record_.runs.size()));  // claimed when the step opens
-        record_.runs.push_back({h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, -1});
-      } else {
-        *next_handle++ = h;
-      }
-      growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
+    try {
+      check_runs(plan, requests, filer);
+    } catch (...) {
+      if constexpr (Filer::plans_fresh_runs) { undo_fresh_claims(requests, filer); }
+      throw;
     }
-    tokens_     = tokens;
-    has_drafts_ = has_drafts;
-    if constexpr (!Filer::plans_fresh_runs) { handles_.resize(static_cast<std::size_t>(next_handle - handles_.data())); }
-    grows_ = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
-    store.check_blocks(plan.fresh_blocks(), "fresh");
-    // doubling every request that grows would cross the limit: grow each exactly, if that fits
-    exact_growth_ = store.bytes_in_use() + growth > store.limit();
-    if (!exact_growth_) { return; }
-    std::size_t exact_growth = 0;  // rarely needed: a second pass
-    if constexpr (Filer::plans_fresh_runs) {
-      for (const step_run& run : record_.runs) {  // one a scheduled entry, in batch order
-        exact_growth += store.growth_bytes(run.handle, run.first_position + run.num_tokens, true);
-      }
-    } else {
-      std::size_t i = 0;
-      for (const auto& entry : plan.entries()) {
-        if (entry.skipped) { continue; }
-        exact_growth += store.growth_bytes(handles_[i++], entry.request.first_position + entry.request.num_tokens, true);
-      }
-    }
-    if (store.bytes_in_use() + exact_growth > store.limit()) {
-      throw error{errc::host_memory_exhausted,
-                  "step needs " + std::to_string(exact_growth) + " more bytes of host storage; " +
-                    std::to_string(store.bytes_in_use()) + " bytes are in use of host_memory_limit " +
-                    std::to_string(store.limit()) + " (release finished requests, or raise the limit)"};
-    }
+  }
+
+  /// @brief Gives up the plan validate() just accepted, which will not open (something between the
+  /// two failed): the runs validate() claimed go back. Nothing else had changed.
+  template <class Filer>
+  void abandon(request_registry& requests, Filer& filer) noexcept
+  {
+    if constexpr (Filer::plans_fresh_runs) { undo_fresh_claims(requests, filer); }
   }
 
   /// @brief Commits the plan validate() just accepted: a new serial, storage reserved, fresh blocks
@@ -228,28 +183,28 @@ class step_planner {
     open_ = true;
   }
 
-  /// @brief open() where validate() put every run in the record (Filer::plans_fresh_runs): the
-  /// common ones with their pieces, to be claimed here in one short step each; the others (growth,
-  /// a recomputed position, drafts) the long way, in the same pass, batch order kept. A request's
-  /// claims depend on its own run alone, so growing one request or claiming it row by row leaves
-  /// the pieces planned for the others where they were.
+  /// @brief open() where validate() put every run in the record and claimed the common ones
+  /// (Filer::plans_fresh_runs): the others (growth, a recomputed position, drafts) are claimed here,
+  /// the long way. A request's claims depend on its own run alone, so growing one request or
+  /// claiming it row by row leaves the pieces planned for the others where they were.
   template <class Filer>
   void open_planned(const step_plan& plan, request_registry& requests, Filer& filer)
   {
     auto& store = filer.store();
     auto& runs  = record_.runs;
-    // every allocation first: if one fails, storage grown for the step is given back
-    record_.fresh_blocks.reserve(plan.fresh_blocks().size());
-    if (!unplanned_.empty()) {
-      record_.replaced.reserve(tokens_);
-      record_.taken.reserve(tokens_);
-      grew_.resize(std::max(grew_.size(), unplanned_.size()));
-      for (const std::uint32_t i : unplanned_) {
-        if (runs[i].num_draft > 0) { requests[runs[i].handle].drafts.reserve(requests[runs[i].handle].drafts.size() + 1); }
-      }
-    }
+    // every allocation first: if one fails, storage grown for the step is given back, and the
+    // claims validate() made
     std::size_t grown = 0;
     try {
+      record_.fresh_blocks.reserve(plan.fresh_blocks().size());
+      if (!unplanned_.empty()) {
+        record_.replaced.reserve(tokens_);
+        record_.taken.reserve(tokens_);
+        grew_.resize(std::max(grew_.size(), unplanned_.size()));
+        for (const std::uint32_t i : unplanned_) {
+          if (runs[i].num_draft > 0) { requests[runs[i].handle].drafts.reserve(requests[runs[i].handle].drafts.size() + 1); }
+        }
+      }
       for (; grows_ && grown < unplanned_.size(); ++grown) {
         const step_run& run = runs[unplanned_[grown]];
         grew_[grown]        = store.reserve(run.handle, run.first_position + run.num_tokens, exact_growth_);
@@ -258,26 +213,17 @@ class step_planner {
       while (grown-- > 0) {
         if (grew_[grown]) { store.undo_reserve(runs[unplanned_[grown]].handle); }
       }
+      undo_fresh_claims(requests, filer);
       throw;
     }
     // nothing below allocates or throws
     start_record(plan, true);
     store.refresh_blocks(record_.fresh_blocks);
-    const std::uint32_t* next_unplanned = unplanned_.data();
-    const std::uint32_t* last_unplanned = next_unplanned + unplanned_.size();
-    const std::uint64_t serial          = serial_;  // in a register across the stores below
-    step_run* const first_run           = runs.data();
-    const auto num_runs                 = static_cast<std::uint32_t>(runs.size());
-    for (std::uint32_t i = 0; i < num_runs; ++i) {
-      step_run& run = first_run[i];
+    for (const std::uint32_t i : unplanned_) {  // in batch order
+      step_run& run = runs[i];
       auto& r       = requests[run.handle];
-      r.open_step   = serial;
-      r.reads_step  = serial;
-      if (next_unplanned == last_unplanned || *next_unplanned != i) {
-        filer.commit_fresh(run, r, serial);
-        continue;
-      }
-      ++next_unplanned;
+      r.open_step   = serial_;
+      r.reads_step  = serial_;
       if (run.num_draft > 0) { r.drafts.push_back(draft_group_of(run.first_position, run.num_tokens, run.num_draft)); }
       filer.claim_planned(record_, run, r);
     }
@@ -295,6 +241,122 @@ class step_planner {
   }
 
  private:
+  // validate()'s checks of the plan's runs (the common ones claimed, Filer::plans_fresh_runs) and
+  // of the storage they need; throws at the first refusal, leaving the claims to validate().
+  template <class Filer>
+  void check_runs(const step_plan& plan, request_registry& requests, Filer& filer)
+  {
+    auto& store = filer.store();
+    // the loop keeps what it reads and accumulates in locals: the compiler cannot keep members in
+    // registers across the stores into request states and the record (they might alias)
+    std::size_t growth          = 0;
+    std::size_t tokens          = 0;
+    bool has_drafts             = false;
+    const std::uint64_t attempt = attempt_;
+    const std::uint64_t previous = serial_;
+    const std::uint64_t serial   = previous + 1;  // the step open() will open
+    const std::int64_t max_len  = max_model_len_;
+    // every run's handle, written by index where open() needs them (the planned runs carry theirs)
+    if constexpr (!Filer::plans_fresh_runs) { handles_.resize(plan.entries().size()); }
+    std::uint32_t* next_handle = handles_.data();
+    const auto* const end      = plan.entries().data() + plan.entries().size();
+    for (const auto& entry : plan.entries()) {
+      const scheduled_request& s = entry.request;
+      if (end - &entry > prefetch_distance) { prefetch((&entry)[prefetch_distance].request, requests, store); }
+      if (s.num_tokens < 0) { throw_negative_tokens(s); }
+      if (entry.skipped) { continue; }
+      const std::uint32_t h = requests.find(s.id);
+      auto& r               = requests[h];
+      // messages name the request by its id, also when the plan names it by handle
+      if (r.planned_attempt == attempt) { throw_duplicate(*r.id); }
+      r.planned_attempt = attempt;
+      if (!request_fits(s, max_len)) { throw_request_outside(s, *r.id); }
+      if constexpr (Filer::store_type::slot_indexed) {
+        try {
+          store.check_slots(s.slots, s.num_tokens);
+        } catch (const error& e) {
+          throw error{e.code(), "request " + r.id->to_string() + ": " + e.what()};
+        }
+      }
+      tokens += static_cast<std::size_t>(s.num_tokens);
+      has_drafts = has_drafts || s.num_draft_tokens > 0;
+      if constexpr (Filer::plans_fresh_runs) {
+        // a run claimed here lies in storage it already has: it does not grow; its request is
+        // marked scheduled here too. An undo puts back its step serials: those of a request the
+        // previous step scheduled (every decoding request) are that step's, others are kept.
+        const std::uint64_t open_step  = r.open_step;
+        const std::uint64_t reads_step = r.reads_step;
+        if (filer.claim_fresh_provisionally(record_, h, r, s, entry.first_row, serial)) {
+          if (((open_step ^ previous) | (reads_step ^ previous)) != 0) {  // one test for both
+            claimed_.push_back({static_cast<std::uint32_t>(record_.runs.size() - 1), open_step, reads_step});  // room was made
+          }
+          r.open_step  = serial;
+          r.reads_step = serial;
+          continue;
+        }
+        unplanned_.push_back(static_cast<std::uint32_t>(record_.runs.size()));  // claimed when the step opens
+        record_.runs.push_back({h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, -1});
+      } else {
+        *next_handle++ = h;
+      }
+      growth += store.growth_bytes(h, s.first_position + s.num_tokens, false);
+    }
+    tokens_     = tokens;
+    has_drafts_ = has_drafts;
+    if constexpr (!Filer::plans_fresh_runs) { handles_.resize(static_cast<std::size_t>(next_handle - handles_.data())); }
+    grows_ = growth > 0;  // a run that needs to grow exactly also needs to grow by doubling
+    store.check_blocks(plan.fresh_blocks(), "fresh");
+    // doubling every request that grows would cross the limit: grow each exactly, if that fits
+    exact_growth_ = store.bytes_in_use() + growth > store.limit();
+    if (!exact_growth_) { return; }
+    std::size_t exact_growth = 0;  // rarely needed: a second pass
+    if constexpr (Filer::plans_fresh_runs) {
+      for (const std::uint32_t i : unplanned_) {  // the runs claimed already do not grow
+        const step_run& run = record_.runs[i];
+        exact_growth += store.growth_bytes(run.handle, run.first_position + run.num_tokens, true);
+      }
+    } else {
+      std::size_t i = 0;
+      for (const auto& entry : plan.entries()) {
+        if (entry.skipped) { continue; }
+        exact_growth += store.growth_bytes(handles_[i++], entry.request.first_position + entry.request.num_tokens, true);
+      }
+    }
+    if (store.bytes_in_use() + exact_growth > store.limit()) {
+      throw error{errc::host_memory_exhausted,
+                  "step needs " + std::to_string(exact_growth) + " more bytes of host storage; " +
+                    std::to_string(store.bytes_in_use()) + " bytes are in use of host_memory_limit " +
+                    std::to_string(store.limit()) + " (release finished requests, or raise the limit)"};
+    }
+  }
+
+  // Gives back what validate() claimed (Filer::plans_fresh_runs), newest first: the runs of the
+  // record but those left to open().
+  template <class Filer>
+  void undo_fresh_claims(request_registry& requests, Filer& filer) noexcept
+  {
+    const std::uint64_t serial  = serial_ + 1;
+    const std::uint32_t* unplanned = unplanned_.data() + unplanned_.size();
+    for (auto i = static_cast<std::uint32_t>(record_.runs.size()); i-- > 0;) {
+      if (unplanned != unplanned_.data() && unplanned[-1] == i) {
+        --unplanned;
+        continue;
+      }
+      const step_run& run = record_.runs[i];
+      auto& r             = requests[run.handle];
+      if (!claimed_.empty() && claimed_.back().run == i) {
+        r.open_step  = claimed_.back().open_step;
+        r.reads_step = claimed_.back().reads_step;
+        claimed_.pop_back();
+      } else {
+        r.open_step  = serial_;
+        r.reads_step = serial_;
+      }
+      filer.undo_fresh_claim(run, r, serial);
+    }
+    record_.runs.clear();
+  }
+
   // The record of the step being opened: a new serial, the plan's rows and fresh blocks (room was
   // made), every list emptied but the runs and pieces validate() planned (`planned`).
   void start_record(const step_plan& plan, bool planned) noexcept
@@ -425,6 +487,14 @@ class step_planner {
   std::vector<std::uint32_t> handles_;  // the plan's runs' handles, found once by validate()
   std::vector<char> grew_;              // per run of the plan being opened: its storage grew
   std::vector<std::uint32_t> unplanned_;  // Filer::plans_fresh_runs: runs validate() left to open()
+  // Filer::plans_fresh_runs: a run validate() claimed for a request the previous step did not
+  // schedule, and its step serials before
+  struct claimed_run {
+    std::uint32_t run;  // index in record_.runs
+    std::uint64_t open_step;
+    std::uint64_t reads_step;
+  };
+  std::vector<claimed_run> claimed_;  // in batch order, for undo_fresh_claims()
   step_record<Index> record_;           // the open step's record
 };
 

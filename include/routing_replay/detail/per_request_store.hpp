@@ -314,25 +314,55 @@ class per_request_store {
     return row_at(r, first);
   }
 
-  /// @brief Where kernels write positions [first, first + count) of `h` (count > 0) if claim_fresh()
-  /// would claim them in the entry alone and they lie in the last segment: no position at or past
-  /// `first` holds a claim and the segment holds them all (every decode step and prefill chunk of a
-  /// request that does not grow). nullptr otherwise. Changes nothing: the step planner plans the
-  /// common step's pieces while it validates, and commits them with commit_fresh().
-  [[nodiscard]] Index* fresh_destination(std::uint32_t h, std::int64_t first, std::int64_t count) const noexcept
+  /// @brief Claims made from now on by claim_in_tail() are provisional: undo_claim_in_tail() gives
+  /// them back, newest first, until the next call. Room for `most` of them (claim_in_tail() then
+  /// never allocates).
+  void start_provisional_claims(std::size_t most)
   {
-    const auto& r = rows_[h];
+    provisional_.clear();
+    provisional_.reserve(most);
+  }
+
+  /// @brief Claims positions [first, first + count) of `h` (count > 0) for step `step` if
+  /// claim_fresh() would claim them in the entry alone and they lie in the last segment (no
+  /// position at or past `first` holds a claim, the segment holds them all: every decode step and
+  /// prefill chunk of a request that does not grow), provisionally; returns where kernels write the
+  /// first of them. nullptr, and nothing changed, otherwise. The step planner claims the common
+  /// step this way while it validates the plan, and gives the claims back if it refuses the plan.
+  [[nodiscard]] Index* claim_in_tail(std::uint32_t h, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
+  {
+    auto& r = rows_[h];
     if (first < r.claimed_end) { return nullptr; }
     const auto offset = static_cast<std::size_t>(first) * row_bytes_;
     if (offset < r.tail_start || offset + static_cast<std::size_t>(count) * row_bytes_ > r.capacity) { return nullptr; }
+    // a decoding request's claim extends its newest run, and undo_claim_in_tail() knows the entry
+    // before it from the entry after it; any other claim keeps what it replaces (room was made)
+    const bool extends = extends_recent(r, first, count, step);
+    if (!extends) { provisional_.push_back({h, r.recent, r.claimed_end, r.last_claim}); }
+    take_fresh(r, first, count, step, extends);
     return reinterpret_cast<Index*>(r.tail_address + (offset - r.tail_start));
   }
 
-  /// @brief Claims positions [first, first + count) of `h` for step `step`, which
-  /// fresh_destination() found unclaimed (nothing has changed `h` since).
-  void commit_fresh(std::uint32_t h, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
+  /// @brief Gives back the claim of claim_in_tail(`h`, `first`, ..., `step`), the newest not given
+  /// back since start_provisional_claims(): the entry of `h` is as before it. (A claim that
+  /// settled the entry's earlier claims into its claims array leaves them there too: both say the
+  /// same.)
+  void undo_claim_in_tail(std::uint32_t h, std::int64_t first, std::uint64_t step) noexcept
   {
-    take_fresh(rows_[h], first, count, step);
+    auto& r = rows_[h];
+    if (!provisional_.empty() && provisional_.back().handle == h) {
+      const auto& p = provisional_.back();
+      r.recent      = p.recent;
+      r.claimed_end = p.claimed_end;
+      r.last_claim  = p.last_claim;
+      provisional_.pop_back();
+      return;
+    }
+    // the claim extended the run of a request decoding in every step up to `step`: before it, its
+    // claims ended at `first`, and the latest was step - 1's
+    --r.recent.count;
+    r.claimed_end = first;
+    r.last_claim  = step - 1;
   }
 
   /// @brief A discarded step `serial` gives back its claim of (`h`, `position`), which replaced the
@@ -448,6 +478,14 @@ class per_request_store {
   // At most this many closed ranges stay parked (a prefill step of new requests reuses as many).
   static constexpr std::size_t max_parked = 256;
 
+  // What a provisional claim (claim_in_tail()) changed in its request's entry.
+  struct provisional_claim {
+    std::uint32_t handle;
+    claim_run recent;
+    std::int64_t claimed_end;
+    std::uint64_t last_claim;
+  };
+
   struct parked_range {
     std::byte* view = nullptr;
     std::size_t capacity = 0;
@@ -503,10 +541,13 @@ class per_request_store {
   // its entry alone: past claimed_end nothing is claimed, so claimed_by is not written.
   static void take_fresh(request_rows& r, std::int64_t first, std::int64_t count, std::uint64_t step) noexcept
   {
+    take_fresh(r, first, count, step, extends_recent(r, first, count, step));
+  }
+  // take_fresh(), told whether the claim extends_recent()
+  static void take_fresh(request_rows& r, std::int64_t first, std::int64_t count, std::uint64_t step, bool extends) noexcept
+  {
     auto& run = r.recent;
-    // a per-step run holds at least one claim (it starts with one, and settling empties it whole)
-    if (count == 1 && run.per_step && first == run.first + run.count &&
-        step == run.serial + static_cast<std::uint64_t>(run.count) && run.count < max_run_count) {
+    if (extends) {
       ++run.count;  // the next step of a decoding request
     } else {
       settle(r);
@@ -514,6 +555,17 @@ class per_request_store {
     }
     r.claimed_end = std::max(r.claimed_end, first + count);
     r.last_claim  = std::max(r.last_claim, step);
+  }
+
+  // Whether take_fresh() claims new positions [first, first + count) of `r` for step `step` by
+  // extending its newest run: one more step of a request that decoded in every step of the run.
+  [[nodiscard]] static bool extends_recent(const request_rows& r, std::int64_t first, std::int64_t count,
+                                           std::uint64_t step) noexcept
+  {
+    const auto& run = r.recent;
+    // a per-step run holds at least one claim (it starts with one, and settling empties it whole)
+    return count == 1 && run.per_step && first == run.first + run.count &&
+           step == run.serial + static_cast<std::uint64_t>(run.count) && run.count < max_run_count;
   }
 
   // Writes the claims `r` holds in its entry alone to claimed_by: before anything else reads or
@@ -656,6 +708,7 @@ class per_request_store {
   std::vector<parked_range> parked_;  // closed ranges kept mapped for the next requests
   std::size_t parked_bytes_ = 0;
   std::vector<std::byte*> bare_;      // reserved ranges with nothing mapped, for open()
+  std::vector<provisional_claim> provisional_;  // what claim_in_tail()'s claims replaced, for their undo
 };
 
 }  // namespace routing_replay::detail
