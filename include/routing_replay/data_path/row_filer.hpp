@@ -206,7 +206,8 @@ class row_filer {
   /// for step `serial`, provisionally: appends the run, with the request's T before and after it,
   /// and its pieces to `step`, and claims its rows in the request's store entry. False, and nothing
   /// changed, for any other run (claim_planned() takes it). undo_fresh_claim() gives it back.
-  bool claim_fresh_provisionally(step_record<Index>& step,
+  /// Always inlined, as per_request_store::claim_in_tail().
+  [[gnu::always_inline]] bool claim_fresh_provisionally(step_record<Index>& step,
                                  std::uint32_t h,
                                  request_state& r,
                                  const scheduled_request& s,
