@@ -530,3 +530,27 @@ TEST_CASE("CORE-BUG-15: a shared slot claimed again by a later step reads as the
     CHECK(replaced == s.rows(1));
   }
 }
+
+TEST_CASE("CORE-BUG-16: a plan whose token counts sum below zero is refused as invalid, with a device scatter too")
+{
+  // a device scatter over per-request storage reserved the step's pieces for the plan's rows before
+  // checking the runs: -1 rows made std::vector::reserve throw std::length_error
+  using scattered = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>,
+                                      rr::per_request_storage>;
+  small_replay<scattered> s;
+  s.rr().add_request(1);
+  s.rr().add_request(2);
+  std::vector<std::int64_t> no_slots;
+  s.step(plan_for(1, 0, 2, no_slots), 1);
+  rr::step_plan plan;
+  plan.schedule({.id = 2, .first_position = 0, .num_tokens = -1});
+  expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::invalid_plan, {"negative token count -1"});
+  // a run claimed before the refusal, in a plan of fewer rows than that run's
+  plan.clear();
+  plan.schedule({.id = 1, .first_position = 2, .num_tokens = 3});
+  plan.schedule({.id = 2, .first_position = 0, .num_tokens = -5});
+  expect_error([&] { s.rr().begin_step(plan, s.stream()); }, rr::errc::invalid_plan, {"negative token count -5"});
+  CHECK(s.rr().recorded_rows(1) == 2);
+  s.step(plan_for(1, 2, 1, no_slots), 2);  // still usable, request 1's rows where they were
+  CHECK(s.rr().recorded_rows(1) == 3);
+}

@@ -39,7 +39,22 @@ using fuzzed_types =
              rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::double_buffered<2>, rr::block_slot_storage>,
              rr::RoutingReplay<rr::host_backend, std::int32_t, rr::token_major, rr::double_buffered<3>, rr::per_request_storage>,
              rr::RoutingReplay<rr::host_backend, std::uint16_t, rr::token_major, rr::device_scatter<2>, rr::block_slot_storage>,
-             rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::device_scatter<1>, rr::block_slot_storage>>;
+             rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::device_scatter<1>, rr::block_slot_storage>,
+             // added after the seed corpus and the regression inputs (see pick_type()): a device
+             // scatter over per-request storage claims the common runs while it validates a plan
+             rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>, rr::per_request_storage>>;
+
+// The type an input runs: the seed corpus and the regression inputs were written when eight types
+// were picked by their last byte modulo 8. Picking modulo 16 keeps each input's type (value v and
+// v + 8 name type v), but for one value, unused by tests/fuzz/regressions and core_bugs, that names
+// the type added since.
+std::size_t pick_type(FuzzedDataProvider& in)
+{
+  static_assert(std::tuple_size_v<fuzzed_types> == 9);
+  constexpr std::size_t added = 13;  // type 5 before
+  const auto v = in.ConsumeIntegralInRange<std::size_t>(0, 15);
+  return v == added ? 8 : v % 8;
+}
 
 // Request ids: integers and strings, including the integer 7 and the string "7", which must never
 // alias, and the empty string.
@@ -305,7 +320,6 @@ void dispatch(std::size_t which, FuzzedDataProvider& in, std::index_sequence<I..
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size)
 {
   FuzzedDataProvider in{data, size};
-  constexpr std::size_t types = std::tuple_size_v<fuzzed_types>;
-  dispatch(in.ConsumeIntegralInRange<std::size_t>(0, types - 1), in, std::make_index_sequence<types>{});
+  dispatch(pick_type(in), in, std::make_index_sequence<std::tuple_size_v<fuzzed_types>>{});
   return 0;
 }

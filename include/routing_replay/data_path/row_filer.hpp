@@ -9,6 +9,7 @@
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/request_registry.hpp>
 #include <routing_replay/data_path/step_record.hpp>
+#include <routing_replay/detail/emplace_aggregate.hpp>
 #include <routing_replay/detail/row_claim.hpp>
 #include <routing_replay/detail/step_errors.hpp>
 #include <routing_replay/detail/step_status.hpp>
@@ -208,11 +209,11 @@ class row_filer {
   /// changed, for any other run (claim_planned() takes it). undo_fresh_claim() gives it back.
   /// Always inlined, as per_request_store::claim_in_tail().
   [[gnu::always_inline]] bool claim_fresh_provisionally(step_record<Index>& step,
-                                 std::uint32_t h,
-                                 request_state& r,
-                                 const scheduled_request& s,
-                                 std::int64_t first_row,
-                                 std::uint64_t serial)
+                                                        std::uint32_t h,
+                                                        request_state& r,
+                                                        const scheduled_request& s,
+                                                        std::int64_t first_row,
+                                                        std::uint64_t serial)
     requires(plans_fresh_runs)
   {
     if (s.num_draft_tokens != 0 || !r.drafts.empty()) { return false; }
@@ -221,15 +222,14 @@ class row_filer {
       dst = store_.claim_in_tail(h, s.first_position, s.num_tokens, serial);
       if (dst == nullptr) { return false; }
     }
-    // built where it lives, each field written once: a run built aside and copied in would be
-    // reloaded wide from narrow stores (a store-forwarding stall, as step_plan::entry explains), and
-    // emplace_back() then assignments zeroed every field before writing it (callgrind: 9
-    // instructions, 7 of them stores, a run)
+    // built where it lives (detail::emplace_aggregate), each field written once: emplace_back()
+    // then assignments zeroed every field before writing it (callgrind: 9 instructions, 7 of them
+    // stores, a run)
     const std::int64_t recorded_before = r.recorded_rows;
     const std::int64_t recorded_after =
       dst != nullptr ? std::max(recorded_before, s.first_position + s.num_tokens) : recorded_before;
-    step.runs.emplace_back(h, r.generation, first_row, s.first_position, s.num_tokens, std::int32_t{0},
-                           std::int64_t{-1}, recorded_before, recorded_after);  // room was made
+    detail::emplace_aggregate(step.runs, h, r.generation, first_row, s.first_position, s.num_tokens, std::int32_t{0},
+                              std::int64_t{-1}, recorded_before, recorded_after);  // room was made
     r.recorded_rows = recorded_after;
     if (dst == nullptr) { return true; }
     // one piece, on its own: the next run's rows go to another request's range, which it does not
@@ -239,7 +239,7 @@ class row_filer {
       add_cut_piece(step.ops, {dst, nullptr, first_row * row_elems_, elems, false});
       return true;
     }
-    step.ops.emplace_back(dst, static_cast<const Index*>(nullptr), first_row * row_elems_, elems, false);
+    detail::emplace_aggregate(step.ops, dst, static_cast<const Index*>(nullptr), first_row * row_elems_, elems, false);
     return true;
   }
 

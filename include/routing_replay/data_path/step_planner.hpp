@@ -101,7 +101,8 @@ class step_planner {
       claimed_.clear();
       record_.runs.reserve(plan.entries().size());
       claimed_.reserve(plan.entries().size());
-      filer.reserve_pieces(record_, plan.num_rows());
+      // a plan with a negative token count (refused below) may sum to fewer than 0 rows
+      filer.reserve_pieces(record_, std::max(plan.num_rows(), std::int64_t{0}));
       filer.start_fresh_claims(plan.entries().size());
     }
     try {
@@ -249,13 +250,13 @@ class step_planner {
     auto& store = filer.store();
     // the loop keeps what it reads and accumulates in locals: the compiler cannot keep members in
     // registers across the stores into request states and the record (they might alias)
-    std::size_t growth          = 0;
-    std::size_t tokens          = 0;
-    bool has_drafts             = false;
-    const std::uint64_t attempt = attempt_;
+    std::size_t growth           = 0;
+    std::size_t tokens           = 0;
+    bool has_drafts              = false;
+    const std::uint64_t attempt  = attempt_;
     const std::uint64_t previous = serial_;
     const std::uint64_t serial   = previous + 1;  // the step open() will open
-    const std::int64_t max_len  = max_model_len_;
+    const std::int64_t max_len   = max_model_len_;
     // every run's handle, written by index where open() needs them (the planned runs carry theirs)
     if constexpr (!Filer::plans_fresh_runs) { handles_.resize(plan.entries().size()); }
     std::uint32_t* next_handle = handles_.data();
@@ -335,7 +336,7 @@ class step_planner {
   template <class Filer>
   void undo_fresh_claims(request_registry& requests, Filer& filer) noexcept
   {
-    const std::uint64_t serial  = serial_ + 1;
+    const std::uint64_t serial     = serial_ + 1;
     const std::uint32_t* unplanned = unplanned_.data() + unplanned_.size();
     for (auto i = static_cast<std::uint32_t>(record_.runs.size()); i-- > 0;) {
       if (unplanned != unplanned_.data() && unplanned[-1] == i) {
@@ -348,13 +349,14 @@ class step_planner {
         r.open_step  = claimed_.back().open_step;
         r.reads_step = claimed_.back().reads_step;
         claimed_.pop_back();
-      } else {
+      } else {  // scheduled by the previous step: validate() kept nothing
         r.open_step  = serial_;
         r.reads_step = serial_;
       }
       filer.undo_fresh_claim(run, r, serial);
     }
-    record_.runs.clear();
+    record_.runs.clear();  // a second undo finds nothing
+    unplanned_.clear();
   }
 
   // The record of the step being opened: a new serial, the plan's rows and fresh blocks (room was
