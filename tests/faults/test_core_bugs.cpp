@@ -554,3 +554,22 @@ TEST_CASE("CORE-BUG-16: a plan whose token counts sum below zero is refused as i
   s.step(plan_for(1, 2, 1, no_slots), 2);  // still usable, request 1's rows where they were
   CHECK(s.rr().recorded_rows(1) == 3);
 }
+
+TEST_CASE("CORE-BUG-18: a run without tokens reserves storage up to its position, with a device scatter too")
+{
+  // a device scatter over per-request storage took a zero-token run for a common one (nothing to
+  // claim) and skipped the growth every other strategy makes for it
+  using scattered = rr::RoutingReplay<rr::host_backend, std::int16_t, rr::layer_major, rr::device_scatter<2>,
+                                      rr::per_request_storage>;
+  small_replay<host_sync> plain;
+  small_replay<scattered> s;
+  rr::step_plan plan;
+  plan.schedule({.id = 42, .first_position = 8, .num_tokens = 0});
+  plain.rr().add_request(42);
+  s.rr().add_request(42);
+  plain.step(plan, 1);
+  s.step(plan, 1);
+  CHECK(plain.rr().host_bytes() > 0);
+  CHECK(s.rr().host_bytes() == plain.rr().host_bytes());
+  CHECK(s.rr().recorded_rows(42) == 0);
+}

@@ -202,7 +202,7 @@ class row_filer {
     store_.start_provisional_claims(runs);
   }
 
-  /// @brief claim_planned() of the common run (new positions, no draft pending or planned, in the
+  /// @brief claim_planned() of the common run (one or more new positions, no draft pending or planned, in the
   /// request's last segment: every decode step and prefill chunk of a request that does not grow)
   /// for step `serial`, provisionally: appends the run, with the request's T before and after it,
   /// and its pieces to `step`, and claims its rows in the request's store entry. False, and nothing
@@ -216,22 +216,18 @@ class row_filer {
                                                         std::uint64_t serial)
     requires(plans_fresh_runs)
   {
-    if (s.num_draft_tokens != 0 || !r.drafts.empty()) { return false; }
-    Index* dst = nullptr;
-    if (s.num_tokens > 0) {
-      dst = store_.claim_in_tail(h, s.first_position, s.num_tokens, serial);
-      if (dst == nullptr) { return false; }
-    }
+    // a run without tokens goes the long way too: it still reserves storage up to its position
+    if (s.num_draft_tokens != 0 || s.num_tokens == 0 || !r.drafts.empty()) { return false; }
+    Index* const dst = store_.claim_in_tail(h, s.first_position, s.num_tokens, serial);
+    if (dst == nullptr) { return false; }
     // built where it lives (detail::emplace_aggregate), each field written once: emplace_back()
     // then assignments zeroed every field before writing it (callgrind: 9 instructions, 7 of them
     // stores, a run)
     const std::int64_t recorded_before = r.recorded_rows;
-    const std::int64_t recorded_after =
-      dst != nullptr ? std::max(recorded_before, s.first_position + s.num_tokens) : recorded_before;
+    const std::int64_t recorded_after  = std::max(recorded_before, s.first_position + s.num_tokens);
     detail::emplace_aggregate(step.runs, h, r.generation, first_row, s.first_position, s.num_tokens, std::int32_t{0},
                               std::int64_t{-1}, recorded_before, recorded_after);  // room was made
     r.recorded_rows = recorded_after;
-    if (dst == nullptr) { return true; }
     // one piece, on its own: the next run's rows go to another request's range, which it does not
     // continue in practice (add_piece() would look)
     const std::int64_t elems = std::int64_t{s.num_tokens} * row_elems_;
@@ -250,7 +246,7 @@ class row_filer {
     requires(plans_fresh_runs)
   {
     r.recorded_rows = run.recorded_before;
-    if (run.num_tokens > 0) { store_.undo_claim_in_tail(run.handle, run.first_position, serial); }
+    store_.undo_claim_in_tail(run.handle, run.first_position, serial);
   }
 
   /// @brief Room in `step`'s pieces for a step of `num_rows` rows (claim_planned() then never
