@@ -181,6 +181,13 @@ class row_filer {
   void claim_planned(step_record<Index>& step, step_run& run, request_state& r)
   {
     run.recorded_before = r.recorded_rows;
+    if constexpr (Store::slot_indexed) {
+      if (run.num_draft == 0 && r.drafts.empty() && run.slots_begin >= 0) {  // every decode step and prefill chunk
+        claim_slot_run(step, run, r);
+        run.recorded_after = r.recorded_rows;
+        return;
+      }
+    }
     if (!claim_fresh_planned(step, run, r)) {
       claim_rows(
         run, r, step,
@@ -437,6 +444,50 @@ class row_filer {
                            });
       return true;
     }
+  }
+
+  // claim_planned() of a slot-indexed run without drafts (none planned, none pending): claim_rows()
+  // without the draft bookkeeping, and the rows that go to consecutive slots gathered into one
+  // piece as they are claimed (a prefill chunk's slots run through whole KV blocks), where
+  // claim_rows() appends and merges a piece a row. Rows a claim copies or replaces take
+  // add_pieces() as there.
+  void claim_slot_run(step_record<Index>& step, const step_run& run, request_state& r)
+    requires(Store::slot_indexed)
+  {
+    const std::int64_t row_elems = row_elems_;
+    Index* gathered_dst          = nullptr;  // the piece being gathered: its first id's place,
+    std::int64_t gathered_src    = 0;        // its first id in the step's rows,
+    std::int64_t gathered_elems  = 0;        // and its length
+    const auto flush = [&] {
+      if (gathered_elems == 0) { return; }
+      store_.device_pieces(run.handle, gathered_dst, gathered_elems, [&](Index* dst, std::int64_t elems) {
+        add_piece(step.ops, {dst, nullptr, gathered_src, elems, false});
+        gathered_src += elems;
+      });
+      gathered_elems = 0;
+    };
+    const std::span<const std::int64_t> run_slots{step.slots.data() + run.slots_begin,
+                                                  static_cast<std::size_t>(run.num_tokens)};
+    const std::uint32_t* const planned = step.generations.data() + run.slots_begin;
+    store_.claim_run(run.handle, run.first_position, run_slots, planned, step.serial, overwrite_,
+                     [&](std::size_t i, const detail::row_claim<Index>& c) {
+                       const std::int64_t row = run.first_row + static_cast<std::int64_t>(i);
+                       const std::int64_t src = row * row_elems;
+                       if (c.copy_from != nullptr || c.replaced != detail::row_claim<Index>::no_claim) {
+                         flush();
+                         add_pieces(step, run, c, row, 1);
+                       } else if (gathered_elems != 0 && gathered_dst + gathered_elems == c.dst &&
+                                  gathered_src + gathered_elems == src) {
+                         gathered_elems += row_elems;
+                       } else {
+                         flush();
+                         gathered_dst   = c.dst;
+                         gathered_src   = src;
+                         gathered_elems = row_elems;
+                       }
+                     });
+    flush();
+    if (run.num_tokens > 0) { r.recorded_rows = std::max(r.recorded_rows, run.first_position + run.num_tokens); }
   }
 
   // claim_planned()'s placement of `rows` rows of the step from `row` on, claimed as `c`, for a run

@@ -169,7 +169,10 @@ class step_planner {
       if constexpr (Filer::store_type::slot_indexed) {
         slots_begin = static_cast<std::int64_t>(out.slots.size());
         out.slots.insert(out.slots.end(), s.slots.begin(), s.slots.end());
-        for (const std::int64_t slot : s.slots) { out.generations.push_back(store.generation_of(slot)); }
+        // written by index: reserve_record() made room, and push_back() checks it for every row
+        out.generations.resize(out.generations.size() + s.slots.size());
+        std::uint32_t* generation = out.generations.data() + slots_begin;
+        for (const std::int64_t slot : s.slots) { *generation++ = store.generation_of(slot); }
       }
       out.runs.push_back(
         {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});

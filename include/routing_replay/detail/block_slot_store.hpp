@@ -10,6 +10,7 @@
 #include <routing_replay/index_type.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <limits>
 #include <memory>
@@ -53,6 +54,9 @@ class block_slot_store {
   block_slot_store(const replay_config& config, std::int64_t row_elems)
     : row_elems_(row_elems),
       block_size_(config.block_size),
+      block_shift_(config.block_size > 0 && std::has_single_bit(static_cast<std::uint64_t>(config.block_size))
+                     ? std::countr_zero(static_cast<std::uint64_t>(config.block_size))
+                     : -1),
       num_slots_(config.num_blocks * config.block_size),
       limit_(config.host_memory_limit)
   {
@@ -122,10 +126,10 @@ class block_slot_store {
                     std::to_string(slots.size()) + " slots for " + std::to_string(num_tokens) +
                     " tokens"};
     }
-    check_slot_range(slots);
-    for (const std::int64_t slot : slots) {
+    for (const std::int64_t slot : slots) {  // one pass: a prefill chunk brings thousands
+      if (slot < 0 || slot >= num_slots_) [[unlikely]] { check_slot_range(slots); }
       slot_state& state = slots_[static_cast<std::size_t>(slot)];
-      if (state.stamp == attempt_) {
+      if (state.stamp == attempt_) [[unlikely]] {
         throw error{errc::slot_out_of_range, "slot " + std::to_string(slot) + " is used twice in one step"};
       }
       state.stamp = attempt_;
@@ -263,22 +267,26 @@ class block_slot_store {
                                        std::uint64_t step,
                                        bool replace)
   {
-    position_ref& at     = positions_[h][static_cast<std::size_t>(position)];
-    const slot_ref prior = at.now;
-    // Readers keep the mapping they see now; where an earlier claim is itself still pending they
-    // keep seeing what that one replaced (its rows are a copy of it, or the position's new routing
-    // once filed: the later of the two steps is the one that decides).
-    at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = visible(at), .mapped_by = step};
-    if (generation_of(slot) != planned) { return {}; }
-    slot_state& state = slots_[static_cast<std::size_t>(slot)];
-    const bool held   = state.claimed_in == planned;
-    if (!replace && held) { return {}; }
-    const std::uint64_t replaced = held ? state.claimed_by_step : row_claim<Index>::no_claim;
-    state.claimed_in             = planned;
-    state.claimed_by_step        = step;
-    state.replaced_row           = held ? 1u : 0u;
-    if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
-    return {row_at(slot), nullptr, replaced};
+    return claim_at(positions_[h][static_cast<std::size_t>(position)], slot, planned, step, replace);
+  }
+
+  /// @brief claim() of positions [`first`, `first` + slots.size()) of `h`, in order, at `slots`,
+  /// planned with `planned` (one a slot): `place(i, claim)` receives the claim of each row `i` that
+  /// has a place (claim().dst non-null). One lookup of the request's positions for the run.
+  template <class Place>
+  [[gnu::always_inline]] void claim_run(std::uint32_t h,
+                                        std::int64_t first,
+                                        std::span<const std::int64_t> slots,
+                                        const std::uint32_t* planned,
+                                        std::uint64_t step,
+                                        bool replace,
+                                        Place&& place)
+  {
+    position_ref* const at = positions_[h].data() + first;
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      const row_claim<Index> c = claim_at(at[i], slots[i], planned[i], step, replace);
+      if (c.dst != nullptr) { place(i, c); }
+    }
   }
 
   /// @brief A discarded step `serial` gives back its claim of `slot`, which replaced the claim of
@@ -407,9 +415,35 @@ class block_slot_store {
   [[nodiscard]] bool pending(const position_ref& at) const noexcept { return at.mapped_by > filed_through_; }
   [[nodiscard]] slot_ref visible(const position_ref& at) const noexcept { return pending(at) ? at.before : at.now; }
 
+  // claim() of the position whose mapping is `at`
+  [[nodiscard, gnu::always_inline]] row_claim<Index> claim_at(position_ref& at,
+                                                              std::int64_t slot,
+                                                              std::uint32_t planned,
+                                                              std::uint64_t step,
+                                                              bool replace)
+  {
+    const slot_ref prior = at.now;
+    // Readers keep the mapping they see now; where an earlier claim is itself still pending they
+    // keep seeing what that one replaced (its rows are a copy of it, or the position's new routing
+    // once filed: the later of the two steps is the one that decides).
+    at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = visible(at), .mapped_by = step};
+    if (generation_of(slot) != planned) { return {}; }
+    slot_state& state = slots_[static_cast<std::size_t>(slot)];
+    const bool held   = state.claimed_in == planned;
+    if (!replace && held) { return {}; }
+    const std::uint64_t replaced = held ? state.claimed_by_step : row_claim<Index>::no_claim;
+    state.claimed_in             = planned;
+    state.claimed_by_step        = step;
+    state.replaced_row           = held ? 1u : 0u;
+    if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
+    return {row_at(slot), nullptr, replaced};
+  }
+
   [[nodiscard]] std::size_t block_of(std::int64_t slot) const noexcept
   {
-    return static_cast<std::size_t>(slot / block_size_);
+    // a shift where the block size is a power of two (as engines' are): a step looks up a block
+    // for every row it plans and claims, and a 64-bit division takes tens of cycles
+    return block_shift_ >= 0 ? static_cast<std::size_t>(slot) >> block_shift_ : static_cast<std::size_t>(slot / block_size_);
   }
 
   [[nodiscard]] Index* row_at(std::int64_t slot) const noexcept { return base_ + slot * row_elems_; }
@@ -443,6 +477,7 @@ class block_slot_store {
 
   std::int64_t row_elems_;
   std::int64_t block_size_;
+  int block_shift_;  // log2(block_size_) where it is a power of two, else -1
   std::int64_t num_slots_;
   std::size_t limit_;
   Rows rows_;
