@@ -42,7 +42,9 @@ struct replay_config {
   /// 8192 new rows spent 2.5 to 3.3 ms of begin_step() there on the H200). -1, the default: one full
   /// step's rows, max_tokens_per_step * L * K * sizeof(index), rounded up to the store's superblocks;
   /// 0: no thread, memory is mapped on demand. What is kept ahead is not counted as in use, and stays
-  /// bounded by this amount.
+  /// bounded by this amount. Block-slot storage (whose rows are allocated up front): bytes of
+  /// per-request position metadata (24 bytes a position, in pages of 512) made when the store is
+  /// built, which released requests' pages return to; -1: two full steps of new positions.
   std::int64_t host_memory_ahead = -1;
   /// @brief Preemption with recompute: false keeps the first routing recorded for a position
   /// (it produced the sampled token); true keeps the latest.

@@ -6,10 +6,12 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -352,6 +354,72 @@ TEST_CASE("block-slot storage: rows follow their KV blocks (copy, export, import
                         rr::errc::invalid_argument, {"need 32 ids", "has 5"});
   rr_test::expect_error([&] { prefill.rr().copy_blocks(from, std::vector<std::int64_t>{1, 2}); },
                         rr::errc::invalid_argument, {"block 1 is both"});
+}
+
+TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position metadata (runs, prefix hits, reuse)",
+                   RR, block_slot_replay, block_slot_deferred, block_slot_scattered)
+{
+  // position metadata comes in pages of 512 positions: runs, a cached prefix and reads cross them
+  for (const std::int64_t ready : {std::int64_t{0}, std::int64_t{-1}}) {  // pages made on demand, or some ready
+    CAPTURE(ready);
+    auto config                = rr_test::small_config();
+    config.max_tokens_per_step = 300;
+    config.max_model_len       = 1300;
+    config.block_size          = 16;
+    config.num_blocks          = 200;
+    config.host_memory_ahead   = ready;
+    small_replay<RR> s{config};
+    const auto slots_from = [](std::int64_t first, std::int64_t n) {
+      std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+      std::iota(v.begin(), v.end(), first);
+      return v;
+    };
+    // request 1: 1100 positions in chunks of 300 at slots equal to their positions
+    s.rr().add_request(1);
+    std::vector<std::int16_t> expected;
+    for (std::int64_t chunk = 0; chunk < 4; ++chunk) {
+      const std::int64_t first = 300 * chunk;
+      const std::int64_t n     = std::min<std::int64_t>(300, 1100 - first);
+      const auto slots         = slots_from(first, n);
+      rr::step_plan plan;
+      plan.schedule({1, first, static_cast<std::int32_t>(n), 0, slots});
+      s.step(plan, chunk + 1);
+      for (std::int64_t row = 0; row < n; ++row) {
+        const auto r = small_row<std::int16_t>(row, chunk + 1);
+        expected.insert(expected.end(), r.begin(), r.end());
+      }
+    }
+    CHECK(s.rows(1) == expected);
+    // request 2 hits 600 of those positions as a cached prefix, then computes two in its own block
+    const auto cached = slots_from(0, 600);
+    s.rr().add_request(2, {.cached_slots = cached});
+    const auto own              = slots_from(1200, 2);
+    const std::int64_t fresh[] = {75};
+    rr::step_plan plan2;
+    plan2.schedule({2, 600, 2, 0, own});
+    plan2.add_fresh_blocks(fresh);
+    s.step(plan2, 9);
+    auto expected2 = std::vector<std::int16_t>(expected.begin(), expected.begin() + 600 * 4);
+    for (std::int64_t row = 0; row < 2; ++row) {
+      const auto r = small_row<std::int16_t>(row, 9);
+      expected2.insert(expected2.end(), r.begin(), r.end());
+    }
+    CHECK(s.rows(2) == expected2);
+    // both go; request 3 takes their pages back, refilled: its unwritten positions read as missing,
+    // not as request 1's rows (their slots still hold them)
+    s.rr().release(1);
+    s.rr().release(2);
+    s.rr().add_request(3);
+    const auto late             = slots_from(1600, 5);
+    const std::int64_t fresh3[] = {100};
+    rr::step_plan plan3;
+    plan3.schedule({3, 700, 5, 0, late});
+    plan3.add_fresh_blocks(fresh3);
+    s.step(plan3, 11);
+    const auto rows3 = s.rr().extract(3);
+    CHECK(rows3.count_missing_rows() == 700);
+    CHECK(std::vector<std::int16_t>(rows3.flat().end() - 4, rows3.flat().end()) == small_row<std::int16_t>(4, 11));
+  }
 }
 
 TEST_CASE("per-request storage reads prefix-cache positions as missing")

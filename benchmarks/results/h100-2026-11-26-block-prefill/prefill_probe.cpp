@@ -1,7 +1,9 @@
 // begin_step of block-slot storage with a device scatter, prefill (each step 4 new requests of
 // 2048 tokens in fresh KV blocks of 16, released once the step is filed), on the host backend (no
 // GPU needed): `begin_us` and `end_us` medians over the last three quarters of the steps, one JSON
-// line. Arguments: steps (400), requests a step (4), tokens a request (2048). Steps 20 to 39 go
+// line. Arguments: steps (400), requests a step (4), tokens a request (2048), keep (0; 1 keeps every
+// request to the end, as the C++ engine loop's prefill scenario does), ahead (-1:
+// replay_config::host_memory_ahead). Steps 20 to 39 go
 // through do_begin() alone, for `valgrind --tool=callgrind --toggle-collect='do_begin*'`.
 // Build: g++ -std=c++20 -O3 -DNDEBUG -pthread -I include -I benchmarks -I <cccl> prefill_probe.cpp
 #include "bench_common.hpp"
@@ -30,11 +32,15 @@ int main(int argc, char** argv)
   const int steps     = argc > 1 ? std::atoi(argv[1]) : 400;
   const int per_step  = argc > 2 ? std::atoi(argv[2]) : 4;
   const int tokens    = argc > 3 ? std::atoi(argv[3]) : 2048;
+  const int keep      = argc > 4 ? std::atoi(argv[4]) : 0;
+  const long ahead    = argc > 5 ? std::atol(argv[5]) : -1;
   const int rows      = per_step * tokens;
   constexpr int block = 16;
   const int blocks_per_request = (tokens + block - 1) / block;
   // two steps' requests in the pool: a step's blocks were the step before last's (fresh again)
-  replay_type replay{bench_config(rows, 2 * per_step)};
+  rr::replay_config config = bench_config(rows, 2 * per_step);
+  config.host_memory_ahead = ahead;
+  replay_type replay{config};
   rr::host_stream stream;
   rr::step_plan plan;
   std::vector<std::int64_t> slots(static_cast<std::size_t>(rows));
@@ -70,7 +76,9 @@ int main(int argc, char** argv)
     replay.end_step(stream.ref());
     const auto t3 = std::chrono::steady_clock::now();
     replay.drain();
-    for (const auto h : handles) { replay.release(h); }
+    if (keep == 0) {
+      for (const auto h : handles) { replay.release(h); }
+    }
     if (i >= steps / 4) {
       begin_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
       end_us.push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
@@ -78,6 +86,6 @@ int main(int argc, char** argv)
   }
   std::sort(begin_us.begin(), begin_us.end());
   std::sort(end_us.begin(), end_us.end());
-  std::printf("{\"probe\": \"block_slot_prefill_begin\", \"requests\": %d, \"tokens\": %d, \"begin_us\": %.2f, \"end_us\": %.2f}\n",
-              per_step, tokens, begin_us[begin_us.size() / 2], end_us[end_us.size() / 2]);
+  std::printf("{\"probe\": \"block_slot_prefill_begin\", \"requests\": %d, \"tokens\": %d, \"keep\": %d, \"ahead\": %ld, \"begin_us\": %.2f, \"end_us\": %.2f}\n",
+              per_step, tokens, keep, ahead, begin_us[begin_us.size() / 2], end_us[end_us.size() / 2]);
 }

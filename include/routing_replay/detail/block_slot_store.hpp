@@ -4,6 +4,7 @@
 #pragma once
 
 #include <routing_replay/config.hpp>
+#include <routing_replay/detail/position_pages.hpp>
 #include <routing_replay/detail/row_claim.hpp>
 #include <routing_replay/detail/row_memory.hpp>
 #include <routing_replay/errors.hpp>
@@ -58,7 +59,8 @@ class block_slot_store {
                      ? std::countr_zero(static_cast<std::uint64_t>(config.block_size))
                      : -1),
       num_slots_(config.num_blocks * config.block_size),
-      limit_(config.host_memory_limit)
+      limit_(config.host_memory_limit),
+      positions_(ready_position_pages(config))
   {
     if (config.block_size <= 0 || config.num_blocks <= 0) {
       throw error{errc::invalid_config,
@@ -83,12 +85,20 @@ class block_slot_store {
     slots_.assign(static_cast<std::size_t>(num_slots_), slot_state{});
   }
 
-  /// @brief Starts bookkeeping for request handle `h`.
-  void open(std::uint32_t h)
+  /// @brief Pages of position metadata made when a store is built (replay_config::host_memory_ahead
+  /// bytes of them; by default two full steps of new positions), so that new requests' first
+  /// steps take pages already faulted in.
+  [[nodiscard]] static std::size_t ready_position_pages(const replay_config& config) noexcept
   {
-    if (h >= positions_.size()) { positions_.resize(h + 1); }
-    positions_[h].clear();
+    constexpr std::int64_t per_page = position_pages<position_ref>::page_positions;
+    if (config.host_memory_ahead >= 0) {
+      return static_cast<std::size_t>(config.host_memory_ahead) / (sizeof(position_ref) * per_page);
+    }
+    return static_cast<std::size_t>(2 * ((std::max(config.max_tokens_per_step, 0) + per_page - 1) / per_page));
   }
+
+  /// @brief Starts bookkeeping for request handle `h`.
+  void open(std::uint32_t h) { positions_.open(h); }
 
   /// @brief Throws slot_out_of_range unless every slot lies in the pool.
   void check_slot_range(std::span<const std::int64_t> slots) const
@@ -106,15 +116,15 @@ class block_slot_store {
   /// slots as their blocks are now, except positions that already hold a valid row.
   void bind_cached(std::uint32_t h, std::span<const std::int64_t> cached_slots)
   {
-    auto& map = positions_[h];
-    if (map.size() < cached_slots.size()) { map.resize(cached_slots.size(), position_ref{}); }
-    for (std::size_t p = 0; p < cached_slots.size(); ++p) {
-      if (!claimed(map[p].now) && !pending(map[p])) { map[p] = settled(ref_to(cached_slots[p])); }
-    }
+    const auto n = static_cast<std::int64_t>(cached_slots.size());
+    positions_.reserve(h, n);
+    positions_.for_each(h, 0, n, [&](std::size_t p, position_ref& at) {
+      if (!claimed(at.now) && !pending(at)) { at = settled(ref_to(cached_slots[p])); }
+    });
   }
 
   /// @brief Forgets `h`; its rows stay at their slots for later prefix hits.
-  void close(std::uint32_t h) { positions_[h] = std::vector<position_ref>{}; }
+  void close(std::uint32_t h) noexcept { positions_.close(h); }
 
   /// @brief Validates the slots of a scheduled request: one per token, inside the pool, and no slot
   /// twice in one step.
@@ -193,10 +203,7 @@ class block_slot_store {
   /// for undo_reserve() to take back).
   bool reserve(std::uint32_t h, std::int64_t rows, bool)
   {
-    auto& map = positions_[h];
-    if (static_cast<std::int64_t>(map.size()) < rows) {
-      map.resize(static_cast<std::size_t>(rows), position_ref{});
-    }
+    positions_.reserve(h, rows);
     return false;
   }
 
@@ -267,7 +274,7 @@ class block_slot_store {
                                        std::uint64_t step,
                                        bool replace)
   {
-    return claim_at(positions_[h][static_cast<std::size_t>(position)], slot, planned, step, replace);
+    return claim_at(positions_.at(h, position), slot, planned, step, replace);
   }
 
   /// @brief claim() of positions [`first`, `first` + slots.size()) of `h`, in order, at `slots`,
@@ -282,11 +289,10 @@ class block_slot_store {
                                         bool replace,
                                         Place&& place)
   {
-    position_ref* const at = positions_[h].data() + first;
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-      const row_claim<Index> c = claim_at(at[i], slots[i], planned[i], step, replace);
+    positions_.for_each(h, first, static_cast<std::int64_t>(slots.size()), [&](std::size_t i, position_ref& at) {
+      const row_claim<Index> c = claim_at(at, slots[i], planned[i], step, replace);
       if (c.dst != nullptr) { place(i, c); }
-    }
+    });
   }
 
   /// @brief A discarded step `serial` gives back its claim of `slot`, which replaced the claim of
@@ -309,8 +315,8 @@ class block_slot_store {
   {
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
     if (state.claimed_by_step == serial && state.claimed_in == generation_of(slot)) { state.claimed_in = 0u; }
-    if (h >= positions_.size() || position >= static_cast<std::int64_t>(positions_[h].size())) { return; }
-    position_ref& at = positions_[h][static_cast<std::size_t>(position)];
+    if (position >= positions_.size(h)) { return; }
+    position_ref& at = positions_.at(h, position);
     if (at.mapped_by == serial && at.now.slot == slot) { at = settled(at.before); }
   }
 
@@ -326,7 +332,7 @@ class block_slot_store {
   /// Metadata only, so it is safe while a kernel may still be writing that row.
   void erase(std::uint32_t h, std::int64_t position, std::int64_t slot)
   {
-    position_ref& at = positions_[h][static_cast<std::size_t>(position)];
+    position_ref& at = positions_.at(h, position);
     if (at.now.slot == slot && claimed(at.now)) { slots_[static_cast<std::size_t>(slot)].claimed_in = 0u; }
     at = position_ref{};
   }
@@ -341,12 +347,11 @@ class block_slot_store {
   /// run of positions at consecutive slots (a KV block) is one copy.
   void read_rows(std::uint32_t h, std::int64_t first, std::int64_t count, Index* out) const
   {
-    const auto& map       = positions_[h];
-    const std::int64_t end = first + count;
+    const std::int64_t mapped = positions_.size(h);
+    const std::int64_t end    = first + count;
     std::int64_t p        = first;
     while (p < end) {
-      const slot_ref first_ref = p < static_cast<std::int64_t>(map.size()) ? visible(map[static_cast<std::size_t>(p)])
-                                                                          : slot_ref{};
+      const slot_ref first_ref = p < mapped ? visible(positions_.at(h, p)) : slot_ref{};
       const Index* row         = valid_row(first_ref);
       if (row == nullptr) {
         std::fill_n(out, row_elems_, index_traits<Index>::sentinel);
@@ -355,8 +360,8 @@ class block_slot_store {
         continue;
       }
       std::int64_t run = 1;  // extend while the next position is valid at the next slot
-      while (p + run < end && p + run < static_cast<std::int64_t>(map.size())) {
-        const slot_ref next = visible(map[static_cast<std::size_t>(p + run)]);
+      while (p + run < end && p + run < mapped) {
+        const slot_ref next = visible(positions_.at(h, p + run));
         if (next.slot != first_ref.slot + run || valid_row(next) == nullptr) { break; }
         ++run;
       }
@@ -369,9 +374,8 @@ class block_slot_store {
   /// @brief Copies the row of (`h`, `position`) to `out`; false if missing or stale.
   bool read(std::uint32_t h, std::int64_t position, Index* out) const
   {
-    const auto& map = positions_[h];
-    if (position >= static_cast<std::int64_t>(map.size())) { return false; }
-    const Index* row = valid_row(visible(map[static_cast<std::size_t>(position)]));
+    if (position >= positions_.size(h)) { return false; }
+    const Index* row = valid_row(visible(positions_.at(h, position)));
     if (row == nullptr) { return false; }
     std::memcpy(out, row, static_cast<std::size_t>(row_elems_) * sizeof(Index));
     return true;
@@ -486,7 +490,7 @@ class block_slot_store {
   std::uint64_t filed_through_ = 0;             // every step up to this serial has been filed
   std::vector<slot_state> slots_;  // per slot
   std::uint32_t attempt_ = 0;
-  std::vector<std::vector<position_ref>> positions_;
+  position_pages<position_ref> positions_;  // per request: where each position's row is
 };
 
 }  // namespace routing_replay::detail
