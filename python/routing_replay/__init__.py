@@ -204,7 +204,8 @@ class Replay:
         host_memory_limit: cap on host bytes of stored rows (None: no cap).
         host_memory_ahead: per-request storage: host bytes a worker thread keeps mapped and faulted
             in ahead of need, so steps of new requests do not map fresh pages (None: one full step's
-            rows; 0: no thread).
+            rows; 0: no thread); block-slot storage: bytes of position metadata (24 a position) made
+            when built, which released requests' pages return to (None: two steps of positions).
         overwrite_recomputed_rows: preemption: keep the latest routing of a position, not the first.
         copy_stream: the side stream copies run on (side-stream strategies; default: the replay's
             own). It must outlive the replay; the replay keeps a reference to it.

@@ -18,6 +18,10 @@ namespace routing_replay::detail {
 /// pages of page_positions positions from a pool that only grows: close() gives a request's pages
 /// back, and pages are made only when the pool has none.
 ///
+/// A request's first inline_pages page addresses sit in its own entry, so reaching a position there
+/// costs the same loads as an array per request would (a decoding batch reaches one position of
+/// every request, each a cache miss); later pages take one more.
+///
 /// close() never allocates (release and abort must not fail half-way): the pool keeps room for
 /// every page made.
 template <class Ref>
@@ -27,13 +31,18 @@ class position_pages {
  public:
   /// @brief Positions per page: 512 entries of 24 bytes are three 4 KiB pages.
   static constexpr std::int64_t page_positions = 512;
+  /// @brief Pages whose addresses a request's entry holds itself (4096 positions).
+  static constexpr std::size_t inline_pages = 8;
 
   /// @brief A pool with `ready_pages` pages made, filled (so faulted in) and waiting.
   explicit position_pages(std::size_t ready_pages)
   {
+    made_.reserve(ready_pages);
     pool_.reserve(ready_pages);
-    for (std::size_t i = 0; i < ready_pages; ++i) { pool_.push_back(std::make_unique<page>()); }
-    made_ = ready_pages;
+    for (std::size_t i = 0; i < ready_pages; ++i) {
+      made_.push_back(std::make_unique<page>());
+      pool_.push_back(made_.back().get());
+    }
   }
 
   /// @brief Starts the map of handle `h` empty (a handle's previous request was closed).
@@ -47,39 +56,46 @@ class position_pages {
   void close(std::uint32_t h) noexcept
   {
     if (h >= maps_.size()) { return; }
-    for (auto& p : maps_[h]) { pool_.push_back(std::move(p)); }  // room was made with the page
-    maps_[h].clear();
+    request_pages& map = maps_[h];
+    for (std::size_t i = 0; i < map.count; ++i) { pool_.push_back(page_at(map, i)); }  // room was made with the page
+    map.count = 0;
+    map.later.clear();
   }
 
   /// @brief Positions [0, size(h)) of `h` have entries: a multiple of page_positions.
   [[nodiscard]] std::int64_t size(std::uint32_t h) const noexcept
   {
-    return h < maps_.size() ? static_cast<std::int64_t>(maps_[h].size()) * page_positions : 0;
+    return h < maps_.size() ? static_cast<std::int64_t>(maps_[h].count) * page_positions : 0;
   }
 
   /// @brief Gives `h` entries for positions [0, positions), new ones value-initialized.
   void reserve(std::uint32_t h, std::int64_t positions)
   {
-    auto& map = maps_[h];
-    const auto need = static_cast<std::size_t>((positions + page_positions - 1) / page_positions);
-    if (map.size() >= need) { return; }
-    map.reserve(need);
-    while (map.size() < need) {
-      std::unique_ptr<page> p = take();
+    request_pages& map = maps_[h];
+    const auto need    = static_cast<std::size_t>((positions + page_positions - 1) / page_positions);
+    if (map.count >= need) { return; }
+    if (need > inline_pages) { map.later.reserve(need - inline_pages); }
+    while (map.count < need) {
+      page* const p = take();
       std::fill(std::begin(p->refs), std::end(p->refs), Ref{});
-      map.push_back(std::move(p));
+      if (map.count < inline_pages) {
+        map.first[map.count] = p;
+      } else {
+        map.later.push_back(p);  // room was made
+      }
+      ++map.count;
     }
   }
 
   /// @brief The entry of (`h`, `position`), position in [0, size(h)).
   [[nodiscard]] Ref& at(std::uint32_t h, std::int64_t position) noexcept
   {
-    return maps_[h][page_of(position)]->refs[offset_of(position)];
+    return page_at(maps_[h], page_of(position))->refs[offset_of(position)];
   }
   /// @copydoc at
   [[nodiscard]] const Ref& at(std::uint32_t h, std::int64_t position) const noexcept
   {
-    return maps_[h][page_of(position)]->refs[offset_of(position)];
+    return page_at(maps_[h], page_of(position))->refs[offset_of(position)];
   }
 
   /// @brief Calls `f(i, entry)` for the entries of positions [first, first + count) of `h`, in
@@ -87,13 +103,13 @@ class position_pages {
   template <class F>
   [[gnu::always_inline]] void for_each(std::uint32_t h, std::int64_t first, std::int64_t count, F&& f)
   {
-    const auto& map = maps_[h];
-    std::int64_t i  = 0;
+    const request_pages& map = maps_[h];
+    std::int64_t i           = 0;
     while (i < count) {
       const std::int64_t position = first + i;
-      Ref* const refs           = map[page_of(position)]->refs;
-      const std::int64_t offset = static_cast<std::int64_t>(offset_of(position));
-      const std::int64_t n      = std::min(count - i, page_positions - offset);
+      Ref* const refs             = page_at(map, page_of(position))->refs;
+      const auto offset           = static_cast<std::int64_t>(offset_of(position));
+      const std::int64_t n        = std::min(count - i, page_positions - offset);
       for (std::int64_t j = 0; j < n; ++j) { f(static_cast<std::size_t>(i + j), refs[offset + j]); }
       i += n;
     }
@@ -103,6 +119,17 @@ class position_pages {
   [[nodiscard]] std::size_t pooled() const noexcept { return pool_.size(); }
 
  private:
+  struct page {
+    Ref refs[page_positions]{};
+  };
+
+  // A request's pages in position order: the first inline_pages here, the rest in `later`.
+  struct request_pages {
+    page* first[inline_pages] = {};
+    std::size_t count         = 0;
+    std::vector<page*> later;
+  };
+
   // positions are never negative: unsigned, the division and remainder are a shift and a mask
   [[nodiscard]] static std::size_t page_of(std::int64_t position) noexcept
   {
@@ -112,28 +139,28 @@ class position_pages {
   {
     return static_cast<std::size_t>(position) % page_positions;
   }
-
-  struct page {
-    Ref refs[page_positions]{};
-  };
+  [[nodiscard]] static page* page_at(const request_pages& map, std::size_t i) noexcept
+  {
+    return i < inline_pages ? map.first[i] : map.later[i - inline_pages];
+  }
 
   // A page from the pool, or a new one (the pool then makes room for it to come back).
-  std::unique_ptr<page> take()
+  page* take()
   {
     if (!pool_.empty()) {
-      std::unique_ptr<page> p = std::move(pool_.back());
+      page* const p = pool_.back();
       pool_.pop_back();
       return p;
     }
-    if (pool_.capacity() < made_ + 1) { pool_.reserve(std::max(made_ + 1, 2 * pool_.capacity())); }
-    auto p = std::make_unique<page>();
-    ++made_;
-    return p;
+    if (pool_.capacity() < made_.size() + 1) { pool_.reserve(std::max(made_.size() + 1, 2 * pool_.capacity())); }
+    if (made_.size() == made_.capacity()) { made_.reserve(std::max<std::size_t>(16, 2 * made_.size())); }
+    made_.push_back(std::make_unique<page>());  // room was made first: if the page throws, nothing is lost
+    return made_.back().get();
   }
 
-  std::vector<std::vector<std::unique_ptr<page>>> maps_;  // per handle, its pages in position order
-  std::vector<std::unique_ptr<page>> pool_;                // pages no request holds
-  std::size_t made_ = 0;                                   // pages made: room the pool keeps
+  std::vector<std::unique_ptr<page>> made_;  // every page, owned here
+  std::vector<request_pages> maps_;          // per handle
+  std::vector<page*> pool_;                  // pages no request holds
 };
 
 }  // namespace routing_replay::detail

@@ -6,7 +6,7 @@
 # B64 and B1024; prefill 8k with 64 MB of host memory ahead), the Python engine loop (none, Replay, the drop-in; eager and CUDA
 # graph; decode B1 to B1024, prefill 8k) and the side by side with vLLM PR 39917's capturer.
 # Every line carries its round. Builds log under build/verify_logs.
-# Usage (repository root): OUT=... benchmarks/results/h200-2026-11-26-verify/call1.sh
+# Usage (repository root): OUT=... benchmarks/results/h100-2026-11-26-verify/call1.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-build/verify_1}
