@@ -69,22 +69,11 @@ class position_pages {
   }
 
   /// @brief Gives `h` entries for positions [0, positions), new ones value-initialized.
-  void reserve(std::uint32_t h, std::int64_t positions)
+  [[gnu::always_inline]] void reserve(std::uint32_t h, std::int64_t positions)
   {
     request_pages& map = maps_[h];
-    const auto need    = static_cast<std::size_t>((positions + page_positions - 1) / page_positions);
-    if (map.count >= need) { return; }
-    if (need > inline_pages) { map.later.reserve(need - inline_pages); }
-    while (map.count < need) {
-      page* const p = take();
-      std::fill(std::begin(p->refs), std::end(p->refs), Ref{});
-      if (map.count < inline_pages) {
-        map.first[map.count] = p;
-      } else {
-        map.later.push_back(p);  // room was made
-      }
-      ++map.count;
-    }
+    // every step of a request reserves its positions: all but one step in page_positions find them
+    if (static_cast<std::int64_t>(map.count) * page_positions < positions) { grow(map, positions); }
   }
 
   /// @brief The entry of (`h`, `position`), position in [0, size(h)).
@@ -142,6 +131,23 @@ class position_pages {
   [[nodiscard]] static page* page_at(const request_pages& map, std::size_t i) noexcept
   {
     return i < inline_pages ? map.first[i] : map.later[i - inline_pages];
+  }
+
+  // reserve() past the request's pages: new ones from the pool, refilled
+  [[gnu::noinline]] void grow(request_pages& map, std::int64_t positions)
+  {
+    const auto need = static_cast<std::size_t>((positions + page_positions - 1) / page_positions);
+    if (need > inline_pages) { map.later.reserve(need - inline_pages); }
+    while (map.count < need) {
+      page* const p = take();
+      std::fill(std::begin(p->refs), std::end(p->refs), Ref{});
+      if (map.count < inline_pages) {
+        map.first[map.count] = p;
+      } else {
+        map.later.push_back(p);  // room was made
+      }
+      ++map.count;
+    }
   }
 
   // A page from the pool, or a new one (the pool then makes room for it to come back).
