@@ -374,6 +374,16 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
       std::iota(v.begin(), v.end(), first);
       return v;
     };
+    // a step of `n` positions of request `id` from `first`, in KV block `block` (fresh), ids salted
+    const auto step_in_fresh_block = [&](std::int64_t id, std::int64_t first, std::int32_t n, std::int64_t block,
+                                         std::int64_t salt) {
+      const auto slots            = slots_from(block * 16, n);
+      const std::int64_t fresh[] = {block};
+      rr::step_plan plan;
+      plan.schedule({id, first, n, 0, slots});
+      plan.add_fresh_blocks(fresh);
+      s.step(plan, salt);
+    };
     // request 1: 1100 positions in chunks of 300 at slots equal to their positions
     s.rr().add_request(1);
     std::vector<std::int16_t> expected;
@@ -393,12 +403,7 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
     // request 2 hits 600 of those positions as a cached prefix, then computes two in its own block
     const auto cached = slots_from(0, 600);
     s.rr().add_request(2, {.cached_slots = cached});
-    const auto own              = slots_from(1200, 2);
-    const std::int64_t fresh[] = {75};
-    rr::step_plan plan2;
-    plan2.schedule({2, 600, 2, 0, own});
-    plan2.add_fresh_blocks(fresh);
-    s.step(plan2, 9);
+    step_in_fresh_block(2, 600, 2, 75, 9);
     auto expected2 = std::vector<std::int16_t>(expected.begin(), expected.begin() + 600 * 4);
     for (std::int64_t row = 0; row < 2; ++row) {
       const auto r = small_row<std::int16_t>(row, 9);
@@ -410,12 +415,7 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
     s.rr().release(1);
     s.rr().release(2);
     s.rr().add_request(3);
-    const auto late             = slots_from(1600, 5);
-    const std::int64_t fresh3[] = {100};
-    rr::step_plan plan3;
-    plan3.schedule({3, 700, 5, 0, late});
-    plan3.add_fresh_blocks(fresh3);
-    s.step(plan3, 11);
+    step_in_fresh_block(3, 700, 5, 100, 11);
     const auto rows3 = s.rr().extract(3);
     CHECK(rows3.count_missing_rows() == 700);
     CHECK(std::vector<std::int16_t>(rows3.flat().end() - 4, rows3.flat().end()) == small_row<std::int16_t>(4, 11));
