@@ -448,23 +448,20 @@ class row_filer {
 
   // claim_planned() of a slot-indexed run without drafts (none planned, none pending): claim_rows()
   // without the draft bookkeeping, and the rows that go to consecutive slots gathered into one
-  // piece as they are claimed (a prefill chunk's slots run through whole KV blocks), where
-  // claim_rows() appends and merges a piece a row. Rows a claim copies or replaces take
-  // add_pieces() as there.
+  // range as they are claimed (a prefill chunk's slots run through whole KV blocks) and placed by
+  // one add_pieces(), where claim_rows() places every row on its own. Rows a claim copies or
+  // replaces are placed on their own, as there.
   void claim_slot_run(step_record<Index>& step, const step_run& run, request_state& r)
     requires(Store::slot_indexed)
   {
     const std::int64_t row_elems = row_elems_;
-    Index* gathered_dst          = nullptr;  // the piece being gathered: its first id's place,
-    std::int64_t gathered_src    = 0;        // its first id in the step's rows,
-    std::int64_t gathered_elems  = 0;        // and its length
+    Index* gathered_dst          = nullptr;  // the rows being gathered: where the first goes,
+    std::int64_t gathered_row    = 0;        // the step's row it comes from,
+    std::int64_t gathered_rows   = 0;        // and how many
     const auto flush = [&] {
-      if (gathered_elems == 0) { return; }
-      store_.device_pieces(run.handle, gathered_dst, gathered_elems, [&](Index* dst, std::int64_t elems) {
-        add_piece(step.ops, {dst, nullptr, gathered_src, elems, false});
-        gathered_src += elems;
-      });
-      gathered_elems = 0;
+      if (gathered_rows == 0) { return; }
+      add_pieces(step, run, {gathered_dst, nullptr, detail::row_claim<Index>::no_claim}, gathered_row, gathered_rows);
+      gathered_rows = 0;
     };
     const std::span<const std::int64_t> run_slots{step.slots.data() + run.slots_begin,
                                                   static_cast<std::size_t>(run.num_tokens)};
@@ -472,18 +469,17 @@ class row_filer {
     store_.claim_run(run.handle, run.first_position, run_slots, planned, step.serial, overwrite_,
                      [&](std::size_t i, const detail::row_claim<Index>& c) {
                        const std::int64_t row = run.first_row + static_cast<std::int64_t>(i);
-                       const std::int64_t src = row * row_elems;
                        if (c.copy_from != nullptr || c.replaced != detail::row_claim<Index>::no_claim) {
                          flush();
                          add_pieces(step, run, c, row, 1);
-                       } else if (gathered_elems != 0 && gathered_dst + gathered_elems == c.dst &&
-                                  gathered_src + gathered_elems == src) {
-                         gathered_elems += row_elems;
+                       } else if (gathered_rows != 0 && gathered_dst + gathered_rows * row_elems == c.dst &&
+                                  gathered_row + gathered_rows == row) {
+                         ++gathered_rows;
                        } else {
                          flush();
-                         gathered_dst   = c.dst;
-                         gathered_src   = src;
-                         gathered_elems = row_elems;
+                         gathered_dst  = c.dst;
+                         gathered_row  = row;
+                         gathered_rows = 1;
                        }
                      });
     flush();
