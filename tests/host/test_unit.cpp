@@ -359,14 +359,15 @@ TEST_CASE("block-slot storage: rows follow their KV blocks (copy, export, import
 TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position metadata (runs, prefix hits, reuse)",
                    RR, block_slot_replay, block_slot_deferred, block_slot_scattered)
 {
-  // position metadata comes in pages of 512 positions: runs, a cached prefix and reads cross them
+  // position metadata comes in pages of 512 positions, the first 7 of a request reached through its
+  // entry and the rest through a list beside it: runs, a cached prefix and reads cross them
   for (const std::int64_t ready : {std::int64_t{0}, std::int64_t{-1}}) {  // pages made on demand, or some ready
     CAPTURE(ready);
     auto config                = rr_test::small_config();
     config.max_tokens_per_step = 300;
-    config.max_model_len       = 1300;
+    config.max_model_len       = 4200;
     config.block_size          = 16;
-    config.num_blocks          = 200;
+    config.num_blocks          = 400;
     config.host_memory_ahead   = ready;
     small_replay<RR> s{config};
     const auto slots_from = [](std::int64_t first, std::int64_t n) {
@@ -384,12 +385,12 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
       plan.add_fresh_blocks(fresh);
       s.step(plan, salt);
     };
-    // request 1: 1100 positions in chunks of 300 at slots equal to their positions
+    // request 1: 4000 positions (8 pages) in chunks of 300 at slots equal to their positions
     s.rr().add_request(1);
     std::vector<std::int16_t> expected;
-    for (std::int64_t chunk = 0; chunk < 4; ++chunk) {
+    for (std::int64_t chunk = 0; chunk < 14; ++chunk) {
       const std::int64_t first = 300 * chunk;
-      const std::int64_t n     = std::min<std::int64_t>(300, 1100 - first);
+      const std::int64_t n     = std::min<std::int64_t>(300, 4000 - first);
       const auto slots         = slots_from(first, n);
       rr::step_plan plan;
       plan.schedule({1, first, static_cast<std::int32_t>(n), 0, slots});
@@ -403,7 +404,7 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
     // request 2 hits 600 of those positions as a cached prefix, then computes two in its own block
     const auto cached = slots_from(0, 600);
     s.rr().add_request(2, {.cached_slots = cached});
-    step_in_fresh_block(2, 600, 2, 75, 9);
+    step_in_fresh_block(2, 600, 2, 300, 9);
     auto expected2 = std::vector<std::int16_t>(expected.begin(), expected.begin() + 600 * 4);
     for (std::int64_t row = 0; row < 2; ++row) {
       const auto r = small_row<std::int16_t>(row, 9);
@@ -415,9 +416,9 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
     s.rr().release(1);
     s.rr().release(2);
     s.rr().add_request(3);
-    step_in_fresh_block(3, 700, 5, 100, 11);
+    step_in_fresh_block(3, 3700, 5, 350, 11);  // on its eighth page
     const auto rows3 = s.rr().extract(3);
-    CHECK(rows3.count_missing_rows() == 700);
+    CHECK(rows3.count_missing_rows() == 3700);
     CHECK(std::vector<std::int16_t>(rows3.flat().end() - 4, rows3.flat().end()) == small_row<std::int16_t>(4, 11));
   }
 }
