@@ -457,11 +457,13 @@ class row_filer {
     const std::int64_t row_elems = row_elems_;
     Index* gathered_dst          = nullptr;  // the rows being gathered: where the first goes,
     std::int64_t gathered_row    = 0;        // the step's row it comes from,
-    std::int64_t gathered_rows   = 0;        // and how many
+    std::int64_t gathered_rows   = 0;        // how many,
+    Index* next_dst              = nullptr;  // and where a row that continues them goes
     const auto flush = [&] {
       if (gathered_rows == 0) { return; }
       add_pieces(step, run, {gathered_dst, nullptr, detail::row_claim<Index>::no_claim}, gathered_row, gathered_rows);
       gathered_rows = 0;
+      next_dst      = nullptr;
     };
     const std::span<const std::int64_t> run_slots{step.slots.data() + run.slots_begin,
                                                   static_cast<std::size_t>(run.num_tokens)};
@@ -472,14 +474,15 @@ class row_filer {
                        if (c.copy_from != nullptr || c.replaced != detail::row_claim<Index>::no_claim) {
                          flush();
                          add_pieces(step, run, c, row, 1);
-                       } else if (gathered_rows != 0 && gathered_dst + gathered_rows * row_elems == c.dst &&
-                                  gathered_row + gathered_rows == row) {
+                       } else if (c.dst == next_dst && gathered_row + gathered_rows == row) {
                          ++gathered_rows;
+                         next_dst += row_elems;
                        } else {
                          flush();
                          gathered_dst  = c.dst;
                          gathered_row  = row;
                          gathered_rows = 1;
+                         next_dst      = c.dst + row_elems;
                        }
                      });
     flush();

@@ -283,8 +283,10 @@ class block_slot_store {
   }
 
   /// @brief claim() of positions [`first`, `first` + slots.size()) of `h`, in order, at `slots`,
-  /// planned with `planned` (one a slot): `place(i, claim)` receives the claim of each row `i` that
-  /// has a place (claim().dst non-null). One lookup of the request's positions for the run.
+  /// planned with `planned` (one a slot), while the step is planned: `planned` holds the blocks'
+  /// generations read in the same pass, so no block can have been reallocated since, and the
+  /// claims skip that check. `place(i, claim)` receives the claim of each row `i` that has a place
+  /// (claim().dst non-null). One lookup of the request's positions for the run.
   template <class Place>
   [[gnu::always_inline]] void claim_run(std::uint32_t h,
                                         std::int64_t first,
@@ -295,7 +297,7 @@ class block_slot_store {
                                         Place&& place)
   {
     positions_.for_each(h, first, static_cast<std::int64_t>(slots.size()), [&](std::size_t i, position_ref& at) {
-      const row_claim<Index> c = claim_at(at, slots[i], planned[i], step, replace);
+      const row_claim<Index> c = claim_at<false>(at, slots[i], planned[i], step, replace);
       if (c.dst != nullptr) { place(i, c); }
     });
   }
@@ -424,7 +426,9 @@ class block_slot_store {
   [[nodiscard]] bool pending(const position_ref& at) const noexcept { return at.mapped_by > filed_through_; }
   [[nodiscard]] slot_ref visible(const position_ref& at) const noexcept { return pending(at) ? at.before : at.now; }
 
-  // claim() of the position whose mapping is `at`
+  // claim() of the position whose mapping is `at`; a claim made as its step is planned knows its
+  // block's generation is `planned` (ChecksGeneration false)
+  template <bool ChecksGeneration = true>
   [[nodiscard, gnu::always_inline]] row_claim<Index> claim_at(position_ref& at,
                                                               std::int64_t slot,
                                                               std::uint32_t planned,
@@ -436,14 +440,18 @@ class block_slot_store {
     // keep seeing what that one replaced (its rows are a copy of it, or the position's new routing
     // once filed: the later of the two steps is the one that decides).
     at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = visible(at), .mapped_by = step};
-    if (generation_of(slot) != planned) { return {}; }
+    if constexpr (ChecksGeneration) {
+      if (generation_of(slot) != planned) { return {}; }
+    }
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
     const bool held   = state.claimed_in == planned;
     if (!replace && held) { return {}; }
     const std::uint64_t replaced = held ? state.claimed_by_step : row_claim<Index>::no_claim;
     state.claimed_in             = planned;
     state.claimed_by_step        = step;
-    state.replaced_row           = held ? 1u : 0u;
+    // a bit-field: written only when it changes (rarely: a fresh claim replaces nothing), its
+    // read-modify-write of the stamp beside it otherwise costs every row
+    if (state.replaced_row != static_cast<std::uint32_t>(held)) { state.replaced_row = held ? 1u : 0u; }
     if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
     return {row_at(slot), nullptr, replaced};
   }
