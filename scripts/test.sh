@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 apt_install cmake ninja-build g++ doctest-dev libbenchmark-dev doxygen clang libclang-rt-14-dev
 pip_install numpy numpy
 
-echo "== build: GPU tests, demo, benchmarks (-O1)"
+echo "== build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # -O0 for the .cu files' host code: nvcc's g++ pass there is most of their build (a third less at
 # -O0), and in CI it runs only the demo's small run
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O0" >/dev/null
