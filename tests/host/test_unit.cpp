@@ -359,13 +359,13 @@ TEST_CASE("block-slot storage: rows follow their KV blocks (copy, export, import
 TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position metadata (runs, prefix hits, reuse)",
                    RR, block_slot_replay, block_slot_deferred, block_slot_scattered)
 {
-  // position metadata comes in pages of 512 positions, the first 7 of a request reached through its
-  // entry and the rest through a list beside it: runs, a cached prefix and reads cross them
+  // position metadata comes in pages of 512 positions, the first 8 of a request reached through its
+  // entry and the rest through a list: runs, a cached prefix and reads cross them
   for (const std::int64_t ready : {std::int64_t{0}, std::int64_t{-1}}) {  // pages made on demand, or some ready
     CAPTURE(ready);
     auto config                = rr_test::small_config();
     config.max_tokens_per_step = 300;
-    config.max_model_len       = 4200;
+    config.max_model_len       = 4800;
     config.block_size          = 16;
     config.num_blocks          = 400;
     config.host_memory_ahead   = ready;
@@ -385,12 +385,12 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
       plan.add_fresh_blocks(fresh);
       s.step(plan, salt);
     };
-    // request 1: 4000 positions (8 pages) in chunks of 300 at slots equal to their positions
+    // request 1: 4600 positions (9 pages) in chunks of 300 at slots equal to their positions
     s.rr().add_request(1);
     std::vector<std::int16_t> expected;
-    for (std::int64_t chunk = 0; chunk < 14; ++chunk) {
+    for (std::int64_t chunk = 0; chunk < 16; ++chunk) {
       const std::int64_t first = 300 * chunk;
-      const std::int64_t n     = std::min<std::int64_t>(300, 4000 - first);
+      const std::int64_t n     = std::min<std::int64_t>(300, 4600 - first);
       const auto slots         = slots_from(first, n);
       rr::step_plan plan;
       plan.schedule({1, first, static_cast<std::int32_t>(n), 0, slots});
@@ -416,9 +416,9 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
     s.rr().release(1);
     s.rr().release(2);
     s.rr().add_request(3);
-    step_in_fresh_block(3, 3700, 5, 350, 11);  // on its eighth page
+    step_in_fresh_block(3, 4300, 5, 350, 11);  // on its ninth page
     const auto rows3 = s.rr().extract(3);
-    CHECK(rows3.count_missing_rows() == 3700);
+    CHECK(rows3.count_missing_rows() == 4300);
     CHECK(std::vector<std::int16_t>(rows3.flat().end() - 4, rows3.flat().end()) == small_row<std::int16_t>(4, 11));
   }
 }

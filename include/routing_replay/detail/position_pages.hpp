@@ -19,10 +19,9 @@ namespace routing_replay::detail {
 /// pages of page_positions positions from a pool that only grows: close() gives a request's pages
 /// back, and pages are made only when the pool has none.
 ///
-/// A request's first inline_pages page addresses and its page count fill one cache line of its own,
-/// so reaching a position there costs the same loads as an array per request would (a decoding
-/// batch reaches one position of every request, each a cache miss, and reserve() reads the count
-/// beside it); later pages' addresses sit apart and take one more.
+/// A request's first inline_pages page addresses sit in its own entry, so reaching a position there
+/// costs the same loads as an array per request would (a decoding batch reaches one position of
+/// every request, each a cache miss); later pages take one more.
 ///
 /// close() never allocates (release and abort must not fail half-way): the pool keeps room for
 /// every page made.
@@ -33,9 +32,11 @@ class position_pages {
  public:
   /// @brief Positions per page: 512 entries of 24 bytes are three 4 KiB pages.
   static constexpr std::int64_t page_positions = 512;
-  /// @brief Pages whose addresses a request's entry holds itself (3584 positions): seven addresses
-  /// and the count are one 64-byte line.
-  static constexpr std::size_t inline_pages = 7;
+  /// @brief Pages whose addresses a request's entry holds itself (4096 positions). Eight, not the
+  /// seven that would fit one 64-byte line with the count: in the GPU engine loop, whose decoding
+  /// positions run to 4096, seven made block-slot decode B1024 10 to 19 us slower (the eighth page
+  /// through the list, 9.21 of docs/performance.md).
+  static constexpr std::size_t inline_pages = 8;
 
   /// @brief A pool with `ready_pages` pages made, filled (so faulted in) and waiting.
   explicit position_pages(std::size_t ready_pages) : blank_(std::make_unique<page>())
@@ -51,10 +52,7 @@ class position_pages {
   /// @brief Starts the map of handle `h` empty (a handle's previous request was closed).
   void open(std::uint32_t h)
   {
-    if (h >= maps_.size()) {
-      later_.resize(h + 1);  // first: should maps_ then throw, a longer later_ is never read
-      maps_.resize(h + 1);
-    }
+    if (h >= maps_.size()) { maps_.resize(h + 1); }
     close(h);
   }
 
@@ -63,9 +61,9 @@ class position_pages {
   {
     if (h >= maps_.size()) { return; }
     request_pages& map = maps_[h];
-    for (std::size_t i = 0; i < map.count; ++i) { pool_.push_back(page_at(h, i)); }  // room was made with the page
+    for (std::size_t i = 0; i < map.count; ++i) { pool_.push_back(page_at(map, i)); }  // room was made with the page
     map.count = 0;
-    later_[h].clear();
+    map.later.clear();
   }
 
   /// @brief Positions [0, size(h)) of `h` have entries: a multiple of page_positions.
@@ -77,19 +75,20 @@ class position_pages {
   /// @brief Gives `h` entries for positions [0, positions), new ones value-initialized.
   [[gnu::always_inline]] void reserve(std::uint32_t h, std::int64_t positions)
   {
+    request_pages& map = maps_[h];
     // every step of a request reserves its positions: all but one step in page_positions find them
-    if (static_cast<std::int64_t>(maps_[h].count) * page_positions < positions) { grow(h, positions); }
+    if (static_cast<std::int64_t>(map.count) * page_positions < positions) { grow(map, positions); }
   }
 
   /// @brief The entry of (`h`, `position`), position in [0, size(h)).
   [[nodiscard]] Ref& at(std::uint32_t h, std::int64_t position) noexcept
   {
-    return page_at(h, page_of(position))->refs[offset_of(position)];
+    return page_at(maps_[h], page_of(position))->refs[offset_of(position)];
   }
   /// @copydoc at
   [[nodiscard]] const Ref& at(std::uint32_t h, std::int64_t position) const noexcept
   {
-    return page_at(h, page_of(position))->refs[offset_of(position)];
+    return page_at(maps_[h], page_of(position))->refs[offset_of(position)];
   }
 
   /// @brief Calls `f(i, entry)` for the entries of positions [first, first + count) of `h`, in
@@ -97,10 +96,11 @@ class position_pages {
   template <class F>
   [[gnu::always_inline]] void for_each(std::uint32_t h, std::int64_t first, std::int64_t count, F&& f)
   {
-    std::int64_t i = 0;
+    const request_pages& map = maps_[h];
+    std::int64_t i           = 0;
     while (i < count) {
       const std::int64_t position = first + i;
-      Ref* const refs             = page_at(h, page_of(position))->refs;
+      Ref* const refs             = page_at(map, page_of(position))->refs;
       const auto offset           = static_cast<std::int64_t>(offset_of(position));
       const std::int64_t n        = std::min(count - i, page_positions - offset);
       for (std::int64_t j = 0; j < n; ++j) { f(static_cast<std::size_t>(i + j), refs[offset + j]); }
@@ -116,12 +116,12 @@ class position_pages {
     Ref refs[page_positions]{};
   };
 
-  // A request's first pages in position order and how many it has (the rest are in later_).
-  struct alignas(64) request_pages {
+  // A request's pages in position order: the first inline_pages here, the rest in `later`.
+  struct request_pages {
     page* first[inline_pages] = {};
     std::size_t count         = 0;
+    std::vector<page*> later;
   };
-  static_assert(sizeof(request_pages) == 64, "a request's entry is one cache line");
 
   // positions are never negative: unsigned, the division and remainder are a shift and a mask
   [[nodiscard]] static std::size_t page_of(std::int64_t position) noexcept
@@ -132,18 +132,16 @@ class position_pages {
   {
     return static_cast<std::size_t>(position) % page_positions;
   }
-  [[nodiscard]] page* page_at(std::uint32_t h, std::size_t i) const noexcept
+  [[nodiscard]] static page* page_at(const request_pages& map, std::size_t i) noexcept
   {
-    return i < inline_pages ? maps_[h].first[i] : later_[h][i - inline_pages];
+    return i < inline_pages ? map.first[i] : map.later[i - inline_pages];
   }
 
   // reserve() past the request's pages: new ones from the pool, refilled
-  [[gnu::noinline]] void grow(std::uint32_t h, std::int64_t positions)
+  [[gnu::noinline]] void grow(request_pages& map, std::int64_t positions)
   {
-    request_pages& map         = maps_[h];
-    std::vector<page*>& later  = later_[h];
     const auto need = static_cast<std::size_t>((positions + page_positions - 1) / page_positions);
-    if (need > inline_pages) { later.reserve(need - inline_pages); }
+    if (need > inline_pages) { map.later.reserve(need - inline_pages); }
     while (map.count < need) {
       page* const p = take();
       // a copy of a blank page: filling with a Ref{} that is not all zero bytes (a slot of -1)
@@ -152,7 +150,7 @@ class position_pages {
       if (map.count < inline_pages) {
         map.first[map.count] = p;
       } else {
-        later.push_back(p);  // room was made
+        map.later.push_back(p);  // room was made
       }
       ++map.count;
     }
@@ -175,7 +173,6 @@ class position_pages {
   std::unique_ptr<const page> blank_;         // every entry value-initialized: what a refill copies
   std::vector<std::unique_ptr<page>> made_;  // every page, owned here
   std::vector<request_pages> maps_;          // per handle
-  std::vector<std::vector<page*>> later_;    // per handle: pages past the first inline_pages
   std::vector<page*> pool_;                  // pages no request holds
 };
 
