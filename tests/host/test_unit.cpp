@@ -378,7 +378,7 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
     // a step of `n` positions of request `id` from `first`, in KV block `block` (fresh), ids salted
     const auto step_in_fresh_block = [&](std::int64_t id, std::int64_t first, std::int32_t n, std::int64_t block,
                                          std::int64_t salt) {
-      const auto slots            = slots_from(block * 16, n);
+      const auto slots            = slots_from(block * config.block_size, n);
       const std::int64_t fresh[] = {block};
       rr::step_plan plan;
       plan.schedule({id, first, n, 0, slots});
