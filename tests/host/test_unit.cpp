@@ -411,8 +411,8 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
       expected2.insert(expected2.end(), r.begin(), r.end());
     }
     CHECK(s.rows(2) == expected2);
-    // both go; request 3 takes their pages back, refilled: its unwritten positions read as missing,
-    // not as request 1's rows (their slots still hold them)
+    // both go; request 3 takes their pages back as they are (nothing refills a page): its
+    // unwritten positions read as missing, not as request 1's rows (their slots still hold them)
     s.rr().release(1);
     s.rr().release(2);
     s.rr().add_request(3);

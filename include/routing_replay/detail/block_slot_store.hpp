@@ -73,6 +73,12 @@ class block_slot_store {
       throw error{errc::invalid_config, "block_slot_storage holds at most 2^31 - 1 slots (got " +
                                           std::to_string(num_slots_) + ")"};
     }
+    if (config.max_model_len > position_pages<position_ref>::max_positions) {
+      throw error{errc::invalid_config, "block_slot_storage maps at most " +
+                                          std::to_string(position_pages<position_ref>::max_positions) +
+                                          " positions a request (got max_model_len " +
+                                          std::to_string(config.max_model_len) + ")"};
+    }
     if (bytes > limit_) {
       throw error{errc::host_memory_exhausted,
                   "block_slot_storage for " + std::to_string(num_slots_) + " slots needs " +
@@ -208,7 +214,7 @@ class block_slot_store {
     // The planner reserves every run in a short pass before it claims them in a long one: a claim
     // reaches the entry through the page it is on, a cache miss per decoding request that the
     // claim's long body would leave unoverlapped. Asked for here, it is in the cache by then.
-    if (rows > 0) { __builtin_prefetch(&positions_.at(h, rows - 1), 1); }
+    if (rows > 0) { __builtin_prefetch(positions_.place_of(h, rows - 1), 1); }
     return false;
   }
 
@@ -279,7 +285,7 @@ class block_slot_store {
                                        std::uint64_t step,
                                        bool replace)
   {
-    return claim_at(positions_.at(h, position), slot, planned, step, replace);
+    return claim_at(positions_.entry(h, position), slot, planned, step, replace);
   }
 
   /// @brief claim() of positions [`first`, `first` + slots.size()) of `h`, in order, at `slots`,
@@ -296,7 +302,18 @@ class block_slot_store {
                                         bool replace,
                                         Place&& place)
   {
-    positions_.for_each(h, first, static_cast<std::int64_t>(slots.size()), [&](std::size_t i, position_ref& at) {
+    const auto count = static_cast<std::int64_t>(slots.size());
+    if (first >= positions_.size(h)) {
+      // positions no entry maps yet (every decode step and prefill chunk): each entry is written
+      // without being read, and no earlier row follows its position
+      positions_.for_each_new(h, first, count, [&](std::size_t i, position_ref& at) {
+        at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slots[i]), planned[i]}, .before = slot_ref{}, .mapped_by = step};
+        const row_claim<Index> c = claim_slot(slots[i], planned[i], step, replace);
+        if (c.dst != nullptr) { place(i, c); }
+      });
+      return;
+    }
+    positions_.for_each(h, first, count, [&](std::size_t i, position_ref& at) {
       const row_claim<Index> c = claim_at<false>(at, slots[i], planned[i], step, replace);
       if (c.dst != nullptr) { place(i, c); }
     });
@@ -339,6 +356,7 @@ class block_slot_store {
   /// Metadata only, so it is safe while a kernel may still be writing that row.
   void erase(std::uint32_t h, std::int64_t position, std::int64_t slot)
   {
+    if (position >= positions_.size(h)) { return; }  // never mapped
     position_ref& at = positions_.at(h, position);
     if (at.now.slot == slot && claimed(at.now)) { slots_[static_cast<std::size_t>(slot)].claimed_in = 0u; }
     at = position_ref{};
@@ -443,6 +461,18 @@ class block_slot_store {
     if constexpr (ChecksGeneration) {
       if (generation_of(slot) != planned) { return {}; }
     }
+    row_claim<Index> c = claim_slot(slot, planned, step, replace);
+    if (c.dst != nullptr && !replace && prior.slot != slot && claimed(prior)) { c.copy_from = row_at(prior.slot); }
+    return c;
+  }
+
+  // The slot's half of a claim in its block's generation `planned` (current) by step `step`: where
+  // the row goes, or nowhere if a row claimed in this generation stays (`replace` false).
+  [[nodiscard, gnu::always_inline]] row_claim<Index> claim_slot(std::int64_t slot,
+                                                                std::uint32_t planned,
+                                                                std::uint64_t step,
+                                                                bool replace) noexcept
+  {
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
     const bool held   = state.claimed_in == planned;
     if (!replace && held) { return {}; }
@@ -452,7 +482,6 @@ class block_slot_store {
     // a bit-field: written only when it changes (rarely: a fresh claim replaces nothing), its
     // read-modify-write of the stamp beside it otherwise costs every row
     if (state.replaced_row != static_cast<std::uint32_t>(held)) { state.replaced_row = held ? 1u : 0u; }
-    if (!replace && prior.slot != slot && claimed(prior)) { return {row_at(slot), row_at(prior.slot)}; }
     return {row_at(slot), nullptr, replaced};
   }
 

@@ -2,13 +2,16 @@
 /// Per-request position metadata of block-slot storage, in pages drawn from one pool: a request's
 /// map grows page by page (never copied, as a vector doubling would copy it), a released request's
 /// pages go back to the pool, and pages made ready when the store is built serve the first steps'
-/// new requests, so a prefill step does not fault fresh pages in on the engine's thread.
+/// new requests, so a prefill step does not fault fresh pages in on the engine's thread. A page
+/// taken from the pool is not refilled: a request's entries count as written up to its size, and
+/// new positions are written once, by their first claim.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -18,6 +21,14 @@ namespace routing_replay::detail {
 /// @brief Maps (request handle, position) to a `Ref` (value-initialized: "nothing recorded"), in
 /// pages of page_positions positions from a pool that only grows: close() gives a request's pages
 /// back, and pages are made only when the pool has none.
+///
+/// A request's entries are written up to its size(): reserve() only makes room, and the entries
+/// of positions past the size are whatever the page held before. Reaching past the size through
+/// for_each() or entry() first writes the entries on the way value-initialized; for_each_new()
+/// hands the new positions' entries to a writer that fills them in full, so a step that maps new
+/// positions (every decode step and prefill chunk) writes each entry once and reads none: a refill
+/// of every page taken, then a claim reading each entry back, cost a prefill step a pass over 12
+/// KiB a page (9.22 of docs/performance.md).
 ///
 /// A request's first inline_pages page addresses sit in its own entry, so reaching a position there
 /// costs the same loads as an array per request would (a decoding batch reaches one position of
@@ -49,6 +60,9 @@ class position_pages {
     }
   }
 
+  /// @brief Positions a request may map: its size is kept in 32 bits, beside its page count.
+  static constexpr std::int64_t max_positions = std::numeric_limits<std::uint32_t>::max();
+
   /// @brief Starts the map of handle `h` empty (a handle's previous request was closed).
   void open(std::uint32_t h)
   {
@@ -63,16 +77,19 @@ class position_pages {
     request_pages& map = maps_[h];
     for (std::size_t i = 0; i < map.count; ++i) { pool_.push_back(page_at(map, i)); }  // room was made with the page
     map.count = 0;
+    map.size  = 0;
     map.later.clear();
   }
 
-  /// @brief Positions [0, size(h)) of `h` have entries: a multiple of page_positions.
+  /// @brief Positions [0, size(h)) of `h` have entries written; later ones read as nothing
+  /// recorded.
   [[nodiscard]] std::int64_t size(std::uint32_t h) const noexcept
   {
-    return h < maps_.size() ? static_cast<std::int64_t>(maps_[h].count) * page_positions : 0;
+    return h < maps_.size() ? static_cast<std::int64_t>(maps_[h].size) : 0;
   }
 
-  /// @brief Gives `h` entries for positions [0, positions), new ones value-initialized.
+  /// @brief Gives `h` room for the entries of positions [0, positions), `positions` at most
+  /// max_positions; writes none.
   [[gnu::always_inline]] void reserve(std::uint32_t h, std::int64_t positions)
   {
     request_pages& map = maps_[h];
@@ -91,21 +108,44 @@ class position_pages {
     return page_at(maps_[h], page_of(position))->refs[offset_of(position)];
   }
 
+  /// @brief Where the entry of (`h`, `position`) would be, written or not (`position` inside the
+  /// room reserve() made): for a prefetch.
+  [[nodiscard]] const Ref* place_of(std::uint32_t h, std::int64_t position) const noexcept
+  {
+    return &at(h, position);
+  }
+
+  /// @brief The entry of (`h`, `position`), inside the room reserve() made; entries up to it are
+  /// written value-initialized first if they were not.
+  [[nodiscard]] Ref& entry(std::uint32_t h, std::int64_t position) noexcept
+  {
+    request_pages& map = maps_[h];
+    if (position >= static_cast<std::int64_t>(map.size)) { extend(map, position + 1); }
+    return at(h, position);
+  }
+
   /// @brief Calls `f(i, entry)` for the entries of positions [first, first + count) of `h`, in
-  /// order (i from 0), a page at a time; all inside [0, size(h)).
+  /// order (i from 0), a page at a time, inside the room reserve() made; entries not written yet
+  /// are written value-initialized first.
   template <class F>
   [[gnu::always_inline]] void for_each(std::uint32_t h, std::int64_t first, std::int64_t count, F&& f)
   {
-    const request_pages& map = maps_[h];
-    std::int64_t i           = 0;
-    while (i < count) {
-      const std::int64_t position = first + i;
-      Ref* const refs             = page_at(map, page_of(position))->refs;
-      const auto offset           = static_cast<std::int64_t>(offset_of(position));
-      const std::int64_t n        = std::min(count - i, page_positions - offset);
-      for (std::int64_t j = 0; j < n; ++j) { f(static_cast<std::size_t>(i + j), refs[offset + j]); }
-      i += n;
-    }
+    request_pages& map = maps_[h];
+    if (first + count > static_cast<std::int64_t>(map.size)) { extend(map, first + count); }
+    visit(map, first, count, f);
+  }
+
+  /// @brief for_each() of positions no entry of `h` maps yet (`first` >= size(h)), whose entries
+  /// `f(i, entry)` writes in full without reading them (they hold what their page held before).
+  /// Entries between size(h) and `first` are written value-initialized; the size becomes
+  /// `first` + `count`.
+  template <class F>
+  [[gnu::always_inline]] void for_each_new(std::uint32_t h, std::int64_t first, std::int64_t count, F&& f)
+  {
+    request_pages& map = maps_[h];
+    if (first > static_cast<std::int64_t>(map.size)) [[unlikely]] { extend(map, first); }
+    visit(map, first, count, f);
+    map.size = static_cast<std::uint32_t>(first + count);
   }
 
   /// @brief Pages waiting in the pool.
@@ -119,9 +159,42 @@ class position_pages {
   // A request's pages in position order: the first inline_pages here, the rest in `later`.
   struct request_pages {
     page* first[inline_pages] = {};
-    std::size_t count         = 0;
+    std::uint32_t count       = 0;  // pages held
+    std::uint32_t size        = 0;  // positions whose entries are written (max_positions bounds it)
     std::vector<page*> later;
   };
+
+  // for_each()'s walk over entries [first, first + count) of `map`, a page at a time.
+  template <class F>
+  [[gnu::always_inline]] static void visit(const request_pages& map, std::int64_t first, std::int64_t count, F& f)
+  {
+    std::int64_t i = 0;
+    while (i < count) {
+      const std::int64_t position = first + i;
+      Ref* const refs             = page_at(map, page_of(position))->refs;
+      const auto offset           = static_cast<std::int64_t>(offset_of(position));
+      const std::int64_t n        = std::min(count - i, page_positions - offset);
+      for (std::int64_t j = 0; j < n; ++j) { f(static_cast<std::size_t>(i + j), refs[offset + j]); }
+      i += n;
+    }
+  }
+
+  // Writes the entries of `map` from its size up to `end` value-initialized (copies of a blank
+  // page: filling with a Ref{} that is not all zero bytes, a slot of -1, stores it field by field,
+  // about eight instructions a position where the copy takes a few). Rare: a position mapped past
+  // the request's last one (a prefix hit's, a recompute's, a claim after a gap).
+  [[gnu::noinline]] void extend(request_pages& map, std::int64_t end) noexcept
+  {
+    auto position = static_cast<std::int64_t>(map.size);
+    while (position < end) {
+      const auto offset    = static_cast<std::int64_t>(offset_of(position));
+      const std::int64_t n = std::min(end - position, page_positions - offset);
+      std::memcpy(static_cast<void*>(page_at(map, page_of(position))->refs + offset), blank_->refs + offset,
+                  static_cast<std::size_t>(n) * sizeof(Ref));
+      position += n;
+    }
+    map.size = static_cast<std::uint32_t>(end);
+  }
 
   // positions are never negative: unsigned, the division and remainder are a shift and a mask
   [[nodiscard]] static std::size_t page_of(std::int64_t position) noexcept
@@ -137,16 +210,14 @@ class position_pages {
     return i < inline_pages ? map.first[i] : map.later[i - inline_pages];
   }
 
-  // reserve() past the request's pages: new ones from the pool, refilled
+  // reserve() past the request's pages: new ones from the pool, as they are (entries are written
+  // as the request's size reaches them)
   [[gnu::noinline]] void grow(request_pages& map, std::int64_t positions)
   {
     const auto need = static_cast<std::size_t>((positions + page_positions - 1) / page_positions);
     if (need > inline_pages) { map.later.reserve(need - inline_pages); }
     while (map.count < need) {
       page* const p = take();
-      // a copy of a blank page: filling with a Ref{} that is not all zero bytes (a slot of -1)
-      // stores it field by field, about eight instructions a position where the copy takes a few
-      std::memcpy(static_cast<void*>(p->refs), blank_->refs, sizeof(p->refs));
       if (map.count < inline_pages) {
         map.first[map.count] = p;
       } else {
@@ -170,7 +241,7 @@ class position_pages {
     return made_.back().get();
   }
 
-  std::unique_ptr<const page> blank_;         // every entry value-initialized: what a refill copies
+  std::unique_ptr<const page> blank_;         // every entry value-initialized: what extend() copies
   std::vector<std::unique_ptr<page>> made_;  // every page, owned here
   std::vector<request_pages> maps_;          // per handle
   std::vector<page*> pool_;                  // pages no request holds
