@@ -177,15 +177,22 @@ class row_filer {
   /// @brief Claims the rows of `run`, the run of request `r` just added to the step being planned
   /// (claims_when_planned), recording the request's T before and after, and the step's pieces:
   /// where each range of claimed rows goes (at addresses kernels reach, for a device scatter) and
-  /// where it comes from.
-  void claim_planned(step_record<Index>& step, step_run& run, request_state& r)
+  /// where it comes from. Slot-indexed: `slots` are the run's KV slots (the plan's), and the step's
+  /// slots and generations from run.slots_begin (sized, unwritten) are written here.
+  void claim_planned(step_record<Index>& step, step_run& run, request_state& r,
+                     std::span<const std::int64_t> slots = {})
   {
     run.recorded_before = r.recorded_rows;
     if constexpr (Store::slot_indexed) {
-      if (run.num_draft == 0 && r.drafts.empty() && run.slots_begin >= 0) {  // every decode step and prefill chunk
-        claim_slot_run(step, run, r);
+      if (run.num_draft == 0 && r.drafts.empty()) {  // every decode step and prefill chunk
+        claim_slot_run(step, run, r, slots);
         run.recorded_after = r.recorded_rows;
         return;
+      }
+      const auto at = static_cast<std::size_t>(run.slots_begin);
+      for (std::size_t i = 0; i < slots.size(); ++i) {  // what claim_rows() reads
+        step.slots[at + i]       = slots[i];
+        step.generations[at + i] = store_.generation_of(slots[i]);
       }
     }
     if (!claim_fresh_planned(step, run, r)) {
@@ -446,12 +453,14 @@ class row_filer {
     }
   }
 
-  // claim_planned() of a slot-indexed run without drafts (none planned, none pending): claim_rows()
-  // without the draft bookkeeping, and the rows that go to consecutive slots gathered into one
-  // range as they are claimed (a prefill chunk's slots run through whole KV blocks) and placed by
-  // one add_pieces(), where claim_rows() places every row on its own. Rows a claim copies or
-  // replaces are placed on their own, as there.
-  void claim_slot_run(step_record<Index>& step, const step_run& run, request_state& r)
+  // claim_planned() of a slot-indexed run without drafts (none planned, none pending) at `slots`:
+  // claim_rows() without the draft bookkeeping, the step's slots and generations written in the
+  // same pass, and the rows that go to consecutive slots gathered into one range as they are
+  // claimed (a prefill chunk's slots run through whole KV blocks) and placed by one add_pieces(),
+  // where claim_rows() places every row on its own. Rows a claim copies or replaces are placed on
+  // their own, as there.
+  void claim_slot_run(step_record<Index>& step, const step_run& run, request_state& r,
+                      std::span<const std::int64_t> slots)
     requires(Store::slot_indexed)
   {
     const std::int64_t row_elems = row_elems_;
@@ -465,10 +474,8 @@ class row_filer {
       gathered_rows = 0;
       next_dst      = nullptr;
     };
-    const std::span<const std::int64_t> run_slots{step.slots.data() + run.slots_begin,
-                                                  static_cast<std::size_t>(run.num_tokens)};
-    const std::uint32_t* const planned = step.generations.data() + run.slots_begin;
-    store_.claim_run(run.handle, run.first_position, run_slots, planned, step.serial, overwrite_,
+    store_.claim_run(run.handle, run.first_position, slots, step.slots.data() + run.slots_begin,
+                     step.generations.data() + run.slots_begin, step.serial, overwrite_,
                      [&](std::size_t i, const detail::row_claim<Index>& c) {
                        const std::int64_t row = run.first_row + static_cast<std::int64_t>(i);
                        if (c.copy_from != nullptr || c.replaced != detail::row_claim<Index>::no_claim) {

@@ -167,12 +167,12 @@ class step_planner {
       r.reads_step               = serial_;
       std::int64_t slots_begin   = -1;
       if constexpr (Filer::store_type::slot_indexed) {
+        static_assert(Filer::claims_when_planned, "slot-indexed rows are claimed when their step begins");
+        // sized here (reserve_record() made room; resizing writes nothing) and written by the
+        // run's claims, which read each slot's generation as they claim it (claim_planned())
         slots_begin = static_cast<std::int64_t>(out.slots.size());
-        out.slots.insert(out.slots.end(), s.slots.begin(), s.slots.end());
-        // written by index: reserve_record() made room, and push_back() checks it for every row
+        out.slots.resize(out.slots.size() + s.slots.size());
         out.generations.resize(out.generations.size() + s.slots.size());
-        std::uint32_t* generation = out.generations.data() + slots_begin;
-        for (const std::int64_t slot : s.slots) { *generation++ = store.generation_of(slot); }
       }
       out.runs.push_back(
         {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});
@@ -182,7 +182,7 @@ class step_planner {
       }
       // in the same pass (a request appears once in a plan: its claims depend on its own run, and
       // on earlier runs' claims of shared slots, never on later runs)
-      if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, out.runs.back(), r); }
+      if constexpr (Filer::claims_when_planned) { filer.claim_planned(out, out.runs.back(), r, s.slots); }
     }
     open_ = true;
   }

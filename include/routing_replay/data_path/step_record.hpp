@@ -4,6 +4,7 @@
 /// draft tokens, and (where rows are claimed when the step begins) every row's place.
 #pragma once
 
+#include <routing_replay/detail/default_init_allocator.hpp>
 #include <routing_replay/detail/scatter_op.hpp>
 
 #include <cstdint>
@@ -60,8 +61,11 @@ struct step_record {
   std::int64_t num_rows = 0;                      ///< N
   std::int64_t padded_rows = -1;                  ///< rows the forward writes, if declared
   std::vector<step_run> runs;                     ///< scheduled requests in batch order
-  std::vector<std::int64_t> slots;                ///< KV slots of every run, flat
-  std::vector<std::uint32_t> generations;         ///< generation of each slot's block when planned
+  /// @brief KV slots of every run, flat (a run's are sized when it is planned and written as its
+  /// rows are claimed: resizing writes nothing).
+  std::vector<std::int64_t, detail::default_init_allocator<std::int64_t>> slots;
+  /// @brief The generation of each slot's block when planned (as `slots`).
+  std::vector<std::uint32_t, detail::default_init_allocator<std::uint32_t>> generations;
   std::vector<std::int64_t> fresh_blocks;         ///< blocks declared fresh
   /// @brief Claims when planned: every claimed row's place.
   op_list ops{std::pmr::new_delete_resource()};

@@ -289,15 +289,17 @@ class block_slot_store {
   }
 
   /// @brief claim() of positions [`first`, `first` + slots.size()) of `h`, in order, at `slots`,
-  /// planned with `planned` (one a slot), while the step is planned: `planned` holds the blocks'
-  /// generations read in the same pass, so no block can have been reallocated since, and the
-  /// claims skip that check. `place(i, claim)` receives the claim of each row `i` that has a place
-  /// (claim().dst non-null). One lookup of the request's positions for the run.
+  /// by the step being planned: each block's generation is read as its slot is claimed, so no
+  /// block can have been reallocated since and the claims skip that check. Each row's slot and
+  /// generation go to `slots_out[i]` and `generations_out[i]` (the step's record).
+  /// `place(i, claim)` receives the claim of each row `i` that has a place (claim().dst non-null).
+  /// One lookup of the request's positions for the run.
   template <class Place>
   [[gnu::always_inline]] void claim_run(std::uint32_t h,
                                         std::int64_t first,
                                         std::span<const std::int64_t> slots,
-                                        const std::uint32_t* planned,
+                                        std::int64_t* slots_out,
+                                        std::uint32_t* generations_out,
                                         std::uint64_t step,
                                         bool replace,
                                         Place&& place)
@@ -307,14 +309,22 @@ class block_slot_store {
       // positions no entry maps yet (every decode step and prefill chunk): each entry is written
       // without being read, and no earlier row follows its position
       positions_.for_each_new(h, first, count, [&](std::size_t i, position_ref& at) {
-        at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slots[i]), planned[i]}, .before = slot_ref{}, .mapped_by = step};
-        const row_claim<Index> c = claim_slot(slots[i], planned[i], step, replace);
+        const std::int64_t slot    = slots[i];
+        const std::uint32_t planned = generation_of(slot);
+        slots_out[i]                = slot;
+        generations_out[i]          = planned;
+        at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = slot_ref{}, .mapped_by = step};
+        const row_claim<Index> c = claim_slot(slot, planned, step, replace);
         if (c.dst != nullptr) { place(i, c); }
       });
       return;
     }
     positions_.for_each(h, first, count, [&](std::size_t i, position_ref& at) {
-      const row_claim<Index> c = claim_at<false>(at, slots[i], planned[i], step, replace);
+      const std::int64_t slot    = slots[i];
+      const std::uint32_t planned = generation_of(slot);
+      slots_out[i]                = slot;
+      generations_out[i]          = planned;
+      const row_claim<Index> c    = claim_at<false>(at, slot, planned, step, replace);
       if (c.dst != nullptr) { place(i, c); }
     });
   }
