@@ -9,6 +9,7 @@
 #include <routing_replay/data_path/row_filer.hpp>
 #include <routing_replay/data_path/row_reader.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
+#include <routing_replay/detail/position_pages.hpp>
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/host_storage.hpp>
 
@@ -473,6 +474,51 @@ TEST_CASE("row_filer: first write wins, rows of a released request in flight are
   CHECK(code_of([&] { p.filer.file(second, dirty, later.data(), p.requests); }) == rr::errc::missing_routing);
   p.filer.close(h, p.requests);
   CHECK(p.requests.size() == 0);
+}
+
+TEST_CASE("position_pages: entries are written up to a request's size; a page comes back from the pool as it was")
+{
+  // a Ref whose value-initialized form is not all zero bytes, as block_slot_store's
+  struct ref {
+    std::int32_t slot = -1;
+    std::uint32_t step = 0;
+  };
+  using pages = rr::detail::position_pages<ref>;
+  constexpr std::int64_t per_page = pages::page_positions;
+  pages map{1};  // one page ready
+  map.open(0);
+  map.open(1);
+  CHECK(map.size(0) == 0);
+  map.reserve(0, 2 * per_page);
+  CHECK(map.pooled() == 0);
+  CHECK(map.size(0) == 0);  // room only
+  // new positions, written without being read: [0, 10)
+  map.for_each_new(0, 0, 10, [](std::size_t i, ref& at) { at = {static_cast<std::int32_t>(100 + i), 1}; });
+  CHECK(map.size(0) == 10);
+  CHECK(map.at(0, 9).slot == 109);
+  // after a gap, across a page: [10, first) is written value-initialized
+  const std::int64_t first = per_page - 3;
+  map.for_each_new(0, first, 6, [&](std::size_t i, ref& at) { at = {static_cast<std::int32_t>(first + i), 2}; });
+  CHECK(map.size(0) == first + 6);
+  CHECK(map.at(0, 10).slot == -1);
+  CHECK(map.at(0, first - 1).slot == -1);
+  CHECK(map.at(0, per_page + 2).slot == per_page + 2);
+  // for_each() and entry() past the size write the entries on the way value-initialized first
+  int seen_unset = 0;
+  map.for_each(0, first + 4, 10, [&](std::size_t, ref& at) { seen_unset += at.slot == -1 ? 1 : 0; });
+  CHECK(seen_unset == 8);  // two were written above
+  CHECK(map.size(0) == first + 14);
+  CHECK(map.entry(0, 2 * per_page - 1).slot == -1);
+  CHECK(map.size(0) == 2 * per_page);
+  // the pages go back unrefilled; request 1 takes them, and sees none of request 0's entries
+  map.close(0);
+  CHECK(map.pooled() == 2);
+  map.reserve(1, 2 * per_page);
+  CHECK(map.size(1) == 0);
+  map.for_each_new(1, per_page + 1, 1, [](std::size_t, ref& at) { at = {7, 3}; });
+  CHECK(map.size(1) == per_page + 2);
+  for (std::int64_t position = 0; position <= per_page; ++position) { REQUIRE(map.at(1, position).slot == -1); }
+  CHECK(map.at(1, per_page + 1).slot == 7);
 }
 
 TEST_CASE("row_arena: buddy blocks split, merge and come back at the same arena address")
