@@ -177,8 +177,8 @@ class row_filer {
   /// @brief Claims the rows of `run`, the run of request `r` just added to the step being planned
   /// (claims_when_planned), recording the request's T before and after, and the step's pieces:
   /// where each range of claimed rows goes (at addresses kernels reach, for a device scatter) and
-  /// where it comes from. Slot-indexed: `slots` are the run's KV slots (the plan's), and the step's
-  /// slots and generations from run.slots_begin (sized, unwritten) are written here.
+  /// where it comes from. Slot-indexed: `slots` are the run's KV slots (the plan's, checked), and
+  /// the step's slots from run.slots_begin (sized, unwritten) are written here.
   void claim_planned(step_record<Index>& step, step_run& run, request_state& r,
                      std::span<const std::int64_t> slots = {})
   {
@@ -190,10 +190,7 @@ class row_filer {
         return;
       }
       const auto at = static_cast<std::size_t>(run.slots_begin);
-      for (std::size_t i = 0; i < slots.size(); ++i) {  // what claim_rows() reads
-        step.slots[at + i]       = slots[i];
-        step.generations[at + i] = store_.generation_of(slots[i]);
-      }
+      for (std::size_t i = 0; i < slots.size(); ++i) { step.slots[at + i] = static_cast<std::int32_t>(slots[i]); }
     }
     if (!claim_fresh_planned(step, run, r)) {
       claim_rows(
@@ -454,8 +451,7 @@ class row_filer {
   }
 
   // claim_planned() of a slot-indexed run without drafts (none planned, none pending) at `slots`:
-  // claim_rows() without the draft bookkeeping, the step's slots and generations written in the
-  // same pass, and the rows that go to consecutive slots gathered into one range as they are
+  // claim_rows() without the draft bookkeeping, the step's slots written in the same pass, and the rows that go to consecutive slots gathered into one range as they are
   // claimed (a prefill chunk's slots run through whole KV blocks) and placed by one add_pieces(),
   // where claim_rows() places every row on its own. Rows a claim copies or replaces are placed on
   // their own, as there.
@@ -474,8 +470,7 @@ class row_filer {
       gathered_rows = 0;
       next_dst      = nullptr;
     };
-    store_.claim_run(run.handle, run.first_position, slots, step.slots.data() + run.slots_begin,
-                     step.generations.data() + run.slots_begin, step.serial, overwrite_,
+    store_.claim_run(run.handle, run.first_position, slots, step.slots.data() + run.slots_begin, step.serial, overwrite_,
                      [&](std::size_t i, const detail::row_claim<Index>& c) {
                        const std::int64_t row = run.first_row + static_cast<std::int64_t>(i);
                        if (c.copy_from != nullptr || c.replaced != detail::row_claim<Index>::no_claim) {
@@ -531,7 +526,8 @@ class row_filer {
       const std::int64_t position = run.first_position + i;
       const auto at               = static_cast<std::size_t>(run.slots_begin + i);
       const std::int64_t slot     = run.slots_begin >= 0 ? step.slots[at] : -1;
-      const std::uint32_t planned = run.slots_begin >= 0 ? step.generations[at] : 0u;
+      // slot-indexed rows are claimed as their step is planned: their blocks are as planned
+      const std::uint32_t planned = slot >= 0 ? store_.generation_of(slot) : 0u;
       const std::int32_t d        = i - committed;
       const bool draft            = d >= 0 && group != nullptr;
       if (draft && group->accepted >= 0 && d >= group->accepted) { continue; }  // already rejected

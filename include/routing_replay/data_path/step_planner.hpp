@@ -169,10 +169,9 @@ class step_planner {
       if constexpr (Filer::store_type::slot_indexed) {
         static_assert(Filer::claims_when_planned, "slot-indexed rows are claimed when their step begins");
         // sized here (reserve_record() made room; resizing writes nothing) and written by the
-        // run's claims, which read each slot's generation as they claim it (claim_planned())
+        // run's claims (claim_planned())
         slots_begin = static_cast<std::int64_t>(out.slots.size());
         out.slots.resize(out.slots.size() + s.slots.size());
-        out.generations.resize(out.generations.size() + s.slots.size());
       }
       out.runs.push_back(
         {h, r.generation, entry.first_row, s.first_position, s.num_tokens, s.num_draft_tokens, slots_begin});
@@ -375,7 +374,6 @@ class step_planner {
       out.ops.clear();
     }
     out.slots.clear();
-    out.generations.clear();
     out.replaced.clear();
     out.taken.clear();
     out.fresh_blocks.assign(plan.fresh_blocks().begin(), plan.fresh_blocks().end());
@@ -390,7 +388,6 @@ class step_planner {
     record_.fresh_blocks.reserve(plan.fresh_blocks().size());
     if constexpr (Filer::store_type::slot_indexed) {
       record_.slots.reserve(tokens);
-      record_.generations.reserve(tokens);
     }
     if constexpr (Filer::claims_when_planned) {
       filer.reserve_pieces(record_, plan.num_rows());

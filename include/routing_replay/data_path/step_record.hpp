@@ -61,11 +61,10 @@ struct step_record {
   std::int64_t num_rows = 0;                      ///< N
   std::int64_t padded_rows = -1;                  ///< rows the forward writes, if declared
   std::vector<step_run> runs;                     ///< scheduled requests in batch order
-  /// @brief KV slots of every run, flat (a run's are sized when it is planned and written as its
-  /// rows are claimed: resizing writes nothing).
-  std::vector<std::int64_t, detail::default_init_allocator<std::int64_t>> slots;
-  /// @brief The generation of each slot's block when planned (as `slots`).
-  std::vector<std::uint32_t, detail::default_init_allocator<std::uint32_t>> generations;
+  /// @brief KV slots of every run, flat: a run's are sized when it is planned and written as its
+  /// rows are claimed (resizing writes nothing). 32 bits: a slot-indexed pool holds fewer than
+  /// 2^31 slots, and every slot was checked against it.
+  std::vector<std::int32_t, detail::default_init_allocator<std::int32_t>> slots;
   std::vector<std::int64_t> fresh_blocks;         ///< blocks declared fresh
   /// @brief Claims when planned: every claimed row's place.
   op_list ops{std::pmr::new_delete_resource()};

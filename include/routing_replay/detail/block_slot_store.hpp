@@ -167,7 +167,7 @@ class block_slot_store {
   /// @brief Starts a validation pass of a step plan (for duplicate-slot detection).
   void begin_validation()
   {
-    if (++attempt_ == stamp_limit) {  // wrapped: old stamps could collide with new passes
+    if (++attempt_ == 0) {  // wrapped: old stamps could collide with new passes
       for (auto& state : slots_) { state.stamp = 0u; }
       attempt_ = 1;
     }
@@ -254,7 +254,7 @@ class block_slot_store {
         std::copy_n(rows, row_elems_, row_at(slot));
         slot_state& state     = slots_[static_cast<std::size_t>(slot)];
         state.claimed_in      = rows[0] != index_traits<Index>::sentinel ? generation_of(slot) : 0u;
-        state.claimed_by_step = 0u;  // already here
+        state.claim           = 0u;  // already here
       }
     }
   }
@@ -290,16 +290,15 @@ class block_slot_store {
 
   /// @brief claim() of positions [`first`, `first` + slots.size()) of `h`, in order, at `slots`,
   /// by the step being planned: each block's generation is read as its slot is claimed, so no
-  /// block can have been reallocated since and the claims skip that check. Each row's slot and
-  /// generation go to `slots_out[i]` and `generations_out[i]` (the step's record).
+  /// block can have been reallocated since and the claims skip that check. Each row's slot goes to
+  /// `slots_out[i]` (the step's record; slots were checked, so they fit).
   /// `place(i, claim)` receives the claim of each row `i` that has a place (claim().dst non-null).
   /// One lookup of the request's positions for the run.
   template <class Place>
   [[gnu::always_inline]] void claim_run(std::uint32_t h,
                                         std::int64_t first,
                                         std::span<const std::int64_t> slots,
-                                        std::int64_t* slots_out,
-                                        std::uint32_t* generations_out,
+                                        std::int32_t* slots_out,
                                         std::uint64_t step,
                                         bool replace,
                                         Place&& place)
@@ -309,10 +308,9 @@ class block_slot_store {
       // positions no entry maps yet (every decode step and prefill chunk): each entry is written
       // without being read, and no earlier row follows its position
       positions_.for_each_new(h, first, count, [&](std::size_t i, position_ref& at) {
-        const std::int64_t slot    = slots[i];
+        const std::int64_t slot     = slots[i];
         const std::uint32_t planned = generation_of(slot);
-        slots_out[i]                = slot;
-        generations_out[i]          = planned;
+        slots_out[i]                = static_cast<std::int32_t>(slot);
         at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = slot_ref{}, .mapped_by = step};
         const row_claim<Index> c = claim_slot(slot, planned, step, replace);
         if (c.dst != nullptr) { place(i, c); }
@@ -320,10 +318,9 @@ class block_slot_store {
       return;
     }
     positions_.for_each(h, first, count, [&](std::size_t i, position_ref& at) {
-      const std::int64_t slot    = slots[i];
+      const std::int64_t slot     = slots[i];
       const std::uint32_t planned = generation_of(slot);
-      slots_out[i]                = slot;
-      generations_out[i]          = planned;
+      slots_out[i]                = static_cast<std::int32_t>(slot);
       const row_claim<Index> c    = claim_at<false>(at, slot, planned, step, replace);
       if (c.dst != nullptr) { place(i, c); }
     });
@@ -334,7 +331,9 @@ class block_slot_store {
   void restore_claim(std::uint32_t, std::int64_t, std::int64_t slot, std::uint64_t serial, std::uint64_t prior) noexcept
   {
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
-    if (state.claimed_by_step == serial && state.claimed_in == generation_of(slot)) { state.claimed_by_step = prior; }
+    if (state.claimed_by_step() == serial && state.claimed_in == generation_of(slot)) {
+      state.claim = prior | (state.claim & slot_state::replaced_bit);
+    }
   }
 
   /// @brief Every step up to `serial` has been filed: rows they claimed have arrived. Rows of later
@@ -348,7 +347,7 @@ class block_slot_store {
   void unclaim(std::uint32_t h, std::int64_t position, std::int64_t slot, std::uint64_t serial) noexcept
   {
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
-    if (state.claimed_by_step == serial && state.claimed_in == generation_of(slot)) { state.claimed_in = 0u; }
+    if (state.claimed_by_step() == serial && state.claimed_in == generation_of(slot)) { state.claimed_in = 0u; }
     if (position >= positions_.size(h)) { return; }
     position_ref& at = positions_.at(h, position);
     if (at.mapped_by == serial && at.now.slot == slot) { at = settled(at.before); }
@@ -421,14 +420,20 @@ class block_slot_store {
   // step three cache and TLB misses a row where the slots of a step lie far apart (a decoding
   // batch: one slot per request, each in its own KV block).
   struct slot_state {
-    std::uint64_t claimed_by_step = 0;  // the step that claimed its row (0: imported, or none)
-    std::uint32_t claimed_in      = 0;  // the block generation its row was claimed in (0: none)
-    std::uint32_t stamp : 31      = 0;  // the validation pass that last saw it in a plan
-    // The claim replaced a row claimed in the same generation (overwrite_recomputed_rows): until
-    // the claiming step is filed, that row is still there and readers see it.
-    std::uint32_t replaced_row : 1 = 0;
+    // The step that claimed its row (0: imported, or none), below replaced_bit; replaced_bit: the
+    // claim replaced a row claimed in the same generation (overwrite_recomputed_rows), which
+    // readers see until the claiming step is filed. One word: a claim writes both in one store,
+    // and the stamp beside it is a whole word, compared and written as one (as a 31-bit field, a
+    // mask and a read-modify-write on every row a step checks).
+    std::uint64_t claim      = 0;
+    std::uint32_t claimed_in = 0;  // the block generation its row was claimed in (0: none)
+    std::uint32_t stamp      = 0;  // the validation pass that last saw it in a plan
+
+    // step serials stay far below it (2^63)
+    static constexpr std::uint64_t replaced_bit = std::uint64_t{1} << 63;
+    [[nodiscard]] std::uint64_t claimed_by_step() const noexcept { return claim & ~replaced_bit; }
+    [[nodiscard]] bool replaced_row() const noexcept { return (claim & replaced_bit) != 0; }
   };
-  static constexpr std::uint32_t stamp_limit = 1u << 31;
 
   struct slot_ref {
     std::int32_t slot        = -1;  // the pool holds at most 2^31 - 1 slots (checked when built)
@@ -486,12 +491,9 @@ class block_slot_store {
     slot_state& state = slots_[static_cast<std::size_t>(slot)];
     const bool held   = state.claimed_in == planned;
     if (!replace && held) { return {}; }
-    const std::uint64_t replaced = held ? state.claimed_by_step : row_claim<Index>::no_claim;
+    const std::uint64_t replaced = held ? state.claimed_by_step() : row_claim<Index>::no_claim;
     state.claimed_in             = planned;
-    state.claimed_by_step        = step;
-    // a bit-field: written only when it changes (rarely: a fresh claim replaces nothing), its
-    // read-modify-write of the stamp beside it otherwise costs every row
-    if (state.replaced_row != static_cast<std::uint32_t>(held)) { state.replaced_row = held ? 1u : 0u; }
+    state.claim                  = held ? step | slot_state::replaced_bit : step;
     return {row_at(slot), nullptr, replaced};
   }
 
@@ -519,7 +521,7 @@ class block_slot_store {
   [[nodiscard]] bool landed(std::int64_t slot) const noexcept
   {
     const slot_state& state = slots_[static_cast<std::size_t>(slot)];
-    return state.claimed_by_step <= filed_through_ || state.replaced_row != 0;
+    return state.claimed_by_step() <= filed_through_ || state.replaced_row();
   }
 
   /// @brief The row a reference points to if it is claimed, readers may see it (landed()) and it

@@ -11,8 +11,8 @@ namespace routing_replay::detail {
 
 /// @brief std::allocator, but value-less construction default-initializes: `resize(n)` of a vector
 /// of trivial elements leaves the new ones unwritten, for a writer that fills each of them next.
-/// A step record's slots and generations are sized for a run and written by its claims (one pass
-/// over the run), where a plain resize() zeroed them first (a third pass over a prefill chunk).
+/// A step record's slots are sized for a run and written by its claims (one pass over the run),
+/// where a plain resize() zeroed them first (another pass over a prefill chunk).
 template <class T, class Base = std::allocator<T>>
 class default_init_allocator : public Base {
   using traits = std::allocator_traits<Base>;
