@@ -451,43 +451,18 @@ class row_filer {
   }
 
   // claim_planned() of a slot-indexed run without drafts (none planned, none pending) at `slots`:
-  // claim_rows() without the draft bookkeeping, the step's slots written in the same pass, and the rows that go to consecutive slots gathered into one range as they are
-  // claimed (a prefill chunk's slots run through whole KV blocks) and placed by one add_pieces(),
-  // where claim_rows() places every row on its own. Rows a claim copies or replaces are placed on
-  // their own, as there.
+  // claim_rows() without the draft bookkeeping, the step's slots written in the same pass, and the
+  // rows that go to consecutive slots placed as one range (the store gathers them as it claims: a
+  // prefill chunk's slots run through whole KV blocks), where claim_rows() places every row on its
+  // own. Rows a claim copies or replaces are placed on their own, as there.
   void claim_slot_run(step_record<Index>& step, const step_run& run, request_state& r,
                       std::span<const std::int64_t> slots)
     requires(Store::slot_indexed)
   {
-    const std::int64_t row_elems = row_elems_;
-    Index* gathered_dst          = nullptr;  // the rows being gathered: where the first goes,
-    std::int64_t gathered_row    = 0;        // the step's row it comes from,
-    std::int64_t gathered_rows   = 0;        // how many,
-    Index* next_dst              = nullptr;  // and where a row that continues them goes
-    const auto flush = [&] {
-      if (gathered_rows == 0) { return; }
-      add_pieces(step, run, {gathered_dst, nullptr, detail::row_claim<Index>::no_claim}, gathered_row, gathered_rows);
-      gathered_rows = 0;
-      next_dst      = nullptr;
-    };
     store_.claim_run(run.handle, run.first_position, slots, step.slots.data() + run.slots_begin, step.serial, overwrite_,
-                     [&](std::size_t i, const detail::row_claim<Index>& c) {
-                       const std::int64_t row = run.first_row + static_cast<std::int64_t>(i);
-                       if (c.copy_from != nullptr || c.replaced != detail::row_claim<Index>::no_claim) {
-                         flush();
-                         add_pieces(step, run, c, row, 1);
-                       } else if (c.dst == next_dst && gathered_row + gathered_rows == row) {
-                         ++gathered_rows;
-                         next_dst += row_elems;
-                       } else {
-                         flush();
-                         gathered_dst  = c.dst;
-                         gathered_row  = row;
-                         gathered_rows = 1;
-                         next_dst      = c.dst + row_elems;
-                       }
+                     [&](std::size_t i, const detail::row_claim<Index>& c, std::int64_t rows) {
+                       add_pieces(step, run, c, run.first_row + static_cast<std::int64_t>(i), rows);
                      });
-    flush();
     if (run.num_tokens > 0) { r.recorded_rows = std::max(r.recorded_rows, run.first_position + run.num_tokens); }
   }
 

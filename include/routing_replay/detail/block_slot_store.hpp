@@ -142,13 +142,18 @@ class block_slot_store {
                     std::to_string(slots.size()) + " slots for " + std::to_string(num_tokens) +
                     " tokens"};
     }
-    for (const std::int64_t slot : slots) {  // one pass: a prefill chunk brings thousands
-      if (slot < 0 || slot >= num_slots_) [[unlikely]] { check_slot_range(slots); }
-      slot_state& state = slots_[static_cast<std::size_t>(slot)];
-      if (state.stamp == attempt_) [[unlikely]] {
+    // one pass (a prefill chunk brings thousands), the fields it reads in locals: the stamps it
+    // writes are 32-bit integers, as the compiler sees it possibly attempt_ itself
+    const auto num_slots         = static_cast<std::uint64_t>(num_slots_);
+    const std::uint32_t attempt  = attempt_;
+    slot_state* const states     = slots_.data();
+    for (const std::int64_t slot : slots) {
+      if (static_cast<std::uint64_t>(slot) >= num_slots) [[unlikely]] { check_slot_range(slots); }  // negative too
+      slot_state& state = states[slot];
+      if (state.stamp == attempt) [[unlikely]] {
         throw error{errc::slot_out_of_range, "slot " + std::to_string(slot) + " is used twice in one step"};
       }
-      state.stamp = attempt_;
+      state.stamp = attempt;
     }
   }
 
@@ -292,7 +297,10 @@ class block_slot_store {
   /// by the step being planned: each block's generation is read as its slot is claimed, so no
   /// block can have been reallocated since and the claims skip that check. Each row's slot goes to
   /// `slots_out[i]` (the step's record; slots were checked, so they fit).
-  /// `place(i, claim)` receives the claim of each row `i` that has a place (claim().dst non-null).
+  ///
+  /// `place(i, claim, rows)` receives the rows that have a place (claim().dst non-null), gathered:
+  /// rows i to i + rows - 1 go to consecutive rows from claim.dst (a prefill chunk's slots run
+  /// through whole KV blocks); a row that copies or replaces another comes on its own (rows 1).
   /// One lookup of the request's positions for the run.
   template <class Place>
   [[gnu::always_inline]] void claim_run(std::uint32_t h,
@@ -304,26 +312,30 @@ class block_slot_store {
                                         Place&& place)
   {
     const auto count = static_cast<std::int64_t>(slots.size());
+    row_ranges<Place> ranges{*this, place};
     if (first >= positions_.size(h)) {
-      // positions no entry maps yet (every decode step and prefill chunk): each entry is written
-      // without being read, and no earlier row follows its position
-      positions_.for_each_new(h, first, count, [&](std::size_t i, position_ref& at) {
+      // positions no entry maps yet: every decode step and prefill chunk
+      if (block_shift_ >= 0) {
+        claim_new_positions(h, first, slots, slots_out, step, replace, ranges,
+                            [shift = block_shift_](std::int64_t slot) { return static_cast<std::size_t>(slot) >> shift; });
+      } else {
+        claim_new_positions(h, first, slots, slots_out, step, replace, ranges,
+                            [size = block_size_](std::int64_t slot) { return static_cast<std::size_t>(slot / size); });
+      }
+    } else {
+      positions_.for_each(h, first, count, [&](std::size_t i, position_ref& at) {
         const std::int64_t slot     = slots[i];
         const std::uint32_t planned = generation_of(slot);
         slots_out[i]                = static_cast<std::int32_t>(slot);
-        at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = slot_ref{}, .mapped_by = step};
-        const row_claim<Index> c = claim_slot(slot, planned, step, replace);
-        if (c.dst != nullptr) { place(i, c); }
+        const row_claim<Index> c    = claim_at<false>(at, slot, planned, step, replace);
+        if (c.copy_from != nullptr || c.replaced != row_claim<Index>::no_claim) {
+          ranges.single(i, c);
+        } else if (c.dst != nullptr) {
+          ranges.add(i, slot);
+        }
       });
-      return;
     }
-    positions_.for_each(h, first, count, [&](std::size_t i, position_ref& at) {
-      const std::int64_t slot     = slots[i];
-      const std::uint32_t planned = generation_of(slot);
-      slots_out[i]                = static_cast<std::int32_t>(slot);
-      const row_claim<Index> c    = claim_at<false>(at, slot, planned, step, replace);
-      if (c.dst != nullptr) { place(i, c); }
-    });
+    ranges.flush();
   }
 
   /// @brief A discarded step `serial` gives back its claim of `slot`, which replaced the claim of
@@ -479,6 +491,79 @@ class block_slot_store {
     row_claim<Index> c = claim_slot(slot, planned, step, replace);
     if (c.dst != nullptr && !replace && prior.slot != slot && claimed(prior)) { c.copy_from = row_at(prior.slot); }
     return c;
+  }
+
+  // claim_run()'s gathering of claimed rows into ranges for `place` (claim_run() says how): a row
+  // continues the range if it is the next row of the run at the next slot.
+  template <class Place>
+  struct row_ranges {
+    const block_slot_store& store;
+    Place& place;
+    std::size_t first        = 0;   // the range's first row of the run,
+    std::int64_t first_slot  = 0;   // its slot,
+    std::size_t next         = 0;   // the row that would continue it,
+    std::int64_t next_slot   = -1;  // at this slot (-1: no range)
+
+    [[gnu::always_inline]] void add(std::size_t i, std::int64_t slot)
+    {
+      if (slot == next_slot && i == next) {
+        ++next;
+        ++next_slot;
+        return;
+      }
+      flush();
+      first      = i;
+      first_slot = slot;
+      next       = i + 1;
+      next_slot  = slot + 1;
+    }
+    void single(std::size_t i, const row_claim<Index>& c)
+    {
+      flush();
+      place(i, c, std::int64_t{1});
+    }
+    void flush()
+    {
+      if (next_slot < 0) { return; }
+      place(first, row_claim<Index>{store.row_at(first_slot), nullptr, row_claim<Index>::no_claim},
+            static_cast<std::int64_t>(next - first));
+      next_slot = -1;
+    }
+  };
+
+  // claim_run() of positions no entry of `h` maps yet, whose slots lie in blocks `block_of(slot)`:
+  // each entry is written without being read, and no earlier row follows its position. A slot
+  // nobody claimed in its block's current generation (a prefill chunk's and a decoding request's,
+  // in their own blocks) takes the short way; one that is held goes through claim_slot().
+  template <class Ranges, class BlockOf>
+  [[gnu::always_inline]] void claim_new_positions(std::uint32_t h,
+                                                  std::int64_t first,
+                                                  std::span<const std::int64_t> slots,
+                                                  std::int32_t* slots_out,
+                                                  std::uint64_t step,
+                                                  bool replace,
+                                                  Ranges& ranges,
+                                                  BlockOf block_of)
+  {
+    // The store's fields in locals: the loop's stores (ids of 32 and 64 bits) may alias the
+    // integers among them as far as the compiler knows, and it reloaded them on every row.
+    const std::uint32_t* const generation = generation_.data();
+    slot_state* const states              = slots_.data();
+    positions_.for_each_new(h, first, static_cast<std::int64_t>(slots.size()), [&](std::size_t i, position_ref& at) {
+      const std::int64_t slot     = slots[i];
+      const std::uint32_t planned = generation[block_of(slot)];
+      slots_out[i]                = static_cast<std::int32_t>(slot);
+      at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = slot_ref{}, .mapped_by = step};
+      slot_state& state = states[slot];
+      if (state.claimed_in == planned) [[unlikely]] {  // held: a row claimed in this generation
+        const row_claim<Index> c = claim_slot(slot, planned, step, replace);
+        if (c.dst != nullptr) { ranges.single(i, c); }  // replaces it
+        return;
+      }
+      state.claimed_in = planned;
+      state.claim      = step;
+      ranges.add(i, slot);
+    });
   }
 
   // The slot's half of a claim in its block's generation `planned` (current) by step `step`: where
