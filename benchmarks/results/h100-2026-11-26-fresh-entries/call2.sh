@@ -1,31 +1,53 @@
 #!/usr/bin/env bash
-# Call 2 (a fresh machine; carry .deps .peers; .peers is a copy of ../shared/peers):
-# this tree's Python package built for the GPU, the Python suite on the GPU
-# (scripts/python_gpu_check.sh: graph and compile cases, example (a)), then rounds until
-# ROUND_BUDGET_S of this tree's Python engine loop (none, Replay, the drop-in; eager and CUDA graph;
-# decode B1 to B1024, prefill 8k) and the side by side with vLLM PR 39917's capturer
-# (.peers/engine_loop_vs_peer.py, device scatter). Every line carries its round.
+# Call 2 (a fresh machine; carry .deps .baseline .baseline_b: `git archive REV` of eb08cb2, the
+# previous stop, and of d3d8118, changes 1 and 2 (call 1's head), each less benchmarks/results, docs
+# and tests/fuzz/corpus): the C++ engine loop of the three trees and of this one (changes 1 to 5)
+# built side by side (no tests: call 1 ran them on d3d8118, call 3 runs them on the final tree),
+# then rounds that rotate the three trees (which runs first too) until ROUND_BUDGET_S: block-slot
+# storage at decode B1024 and B64 and at prefill 8k (64 MB of host memory ahead), eager and CUDA
+# graph; and each round the host-backend floor probes of block-slot storage (decode B1024,
+# prefill 8k) for this tree. Every line carries its round and tree.
 # Usage (repository root): OUT=... benchmarks/results/h100-2026-11-26-fresh-entries/call2.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-build/fresh_entries_2}
-mkdir -p "$out"
+logs=build/fresh_entries_2_logs
+mkdir -p "$out" "$logs"
 start=$(date +%s)
-export PYTHONUNBUFFERED=1
 . scripts/common.sh  # nvcc on PATH
 tag() { python3 benchmarks/results/tag_rounds.py "$@"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/machine.txt"
-site="$PWD/build/python-gpu-site"
-scripts/python_gpu_check.sh >"$out/python_gpu_check.log" 2>&1
-echo "python_gpu_check exit $? at $(( $(date +%s) - start )) s"
-grep -E "passed|failed|bit-exact" "$out/python_gpu_check.log" | tail -3
-for round in $(seq 1 6); do
+prefix=()
+[ -d .deps/usr ] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.deps/usr")
+for t in "" baseline baseline_b; do
+  src=".$t"; dir="build/$t"; [ -z "$t" ] && { src=.; dir=build/head; }
+  ( cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix[@]}" \
+      -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF &&
+    cmake --build "$dir" -j 5 --target engine_loop ) >"$logs/build_${t:-head}.log" 2>&1 &
+done
+cccl=$(dirname "$(command -v nvcc)")/../include/cccl
+for probe in benchmarks/results/h200-2026-11-25-floors/block_slot_floor_probe.cpp \
+             benchmarks/results/h100-2026-11-26-page-line/block_slot_prefill_floor_probe.cpp; do
+  g++ -std=c++20 -O3 -DNDEBUG -pthread -I include -I benchmarks -I "$cccl" "$probe" -o "build/$(basename "$probe" .cpp)_head" \
+    >>"$logs/probes_build.log" 2>&1 &
+done
+wait
+echo "== built at $(( $(date +%s) - start )) s"; ls build/head/benchmarks/engine_loop build/baseline/benchmarks/engine_loop \
+  build/baseline_b/benchmarks/engine_loop build/*floor_probe_* || { tail -n 20 "$logs"/build_*.log; exit 1; }
+for round in $(seq 1 30); do
   if [ $(( $(date +%s) - start )) -gt "${ROUND_BUDGET_S:-450}" ]; then echo "== round $round not started"; break; fi
   echo "== round $round at $(( $(date +%s) - start )) s"
-  PYTHONPATH="$site" python3 benchmarks/python/engine_loop.py --api none,replay,dropin --modes eager,graph \
-    --scenarios decode_B1,decode_B64,decode_B256,decode_B1024,prefill_8k 2>>"$out/errors.log" |
-    tag round="$round" tree=head >>"$out/python_engine_loop.jsonl"
-  PYTHONPATH="$site" python3 .peers/engine_loop_vs_peer.py --copy device_scatter --impl peer,dropin 2>>"$out/errors.log" |
-    tag round="$round" tree=head >>"$out/peer_side_by_side_device_scatter.jsonl"
+  case $(( round % 3 )) in 1) trees="base b head" ;; 2) trees="b head base" ;; *) trees="head base b" ;; esac
+  for tree in $trees; do
+    exe=build/head/benchmarks/engine_loop
+    [ "$tree" = base ] && exe=build/baseline/benchmarks/engine_loop
+    [ "$tree" = b ] && exe=build/baseline_b/benchmarks/engine_loop
+    "$exe" --backend cuda --mode both --copy device_scatter --storage block_slot --scenarios decode_B1024,decode_B64 \
+      2>>"$out/errors.log" | tag round="$round" tree="$tree" >>"$out/engine_loop_cpp.jsonl"
+    "$exe" --backend cuda --mode both --copy device_scatter --storage block_slot --scenarios prefill_8k \
+      --host-memory-ahead 67108864 2>>"$out/errors.log" | tag round="$round" tree="$tree" ahead=64MB >>"$out/engine_loop_cpp.jsonl"
+  done
+  build/block_slot_floor_probe_head 600 | tag round="$round" tree=head >>"$out/floor_probes.jsonl"
+  build/block_slot_prefill_floor_probe_head 300 | tag round="$round" tree=head >>"$out/floor_probes.jsonl"
 done
 echo "== done in $(( $(date +%s) - start )) s"
