@@ -60,13 +60,16 @@ class position_pages {
     }
   }
 
-  /// @brief Positions a request may map: its size is kept in 32 bits, beside its page count.
+  /// @brief Positions a request may map: its size is kept in 32 bits.
   static constexpr std::int64_t max_positions = std::numeric_limits<std::uint32_t>::max();
 
   /// @brief Starts the map of handle `h` empty (a handle's previous request was closed).
   void open(std::uint32_t h)
   {
-    if (h >= maps_.size()) { maps_.resize(h + 1); }
+    if (h >= maps_.size()) {
+      sizes_.resize(h + 1);  // first: if the maps' resize throws, a longer sizes_ harms nothing
+      maps_.resize(h + 1);
+    }
     close(h);
   }
 
@@ -77,15 +80,15 @@ class position_pages {
     request_pages& map = maps_[h];
     for (std::size_t i = 0; i < map.count; ++i) { pool_.push_back(page_at(map, i)); }  // room was made with the page
     map.count = 0;
-    map.size  = 0;
     map.later.clear();
+    sizes_[h] = 0;
   }
 
   /// @brief Positions [0, size(h)) of `h` have entries written; later ones read as nothing
   /// recorded.
   [[nodiscard]] std::int64_t size(std::uint32_t h) const noexcept
   {
-    return h < maps_.size() ? static_cast<std::int64_t>(maps_[h].size) : 0;
+    return h < sizes_.size() ? static_cast<std::int64_t>(sizes_[h]) : 0;
   }
 
   /// @brief Gives `h` room for the entries of positions [0, positions), `positions` at most
@@ -119,8 +122,7 @@ class position_pages {
   /// written value-initialized first if they were not.
   [[nodiscard]] Ref& entry(std::uint32_t h, std::int64_t position) noexcept
   {
-    request_pages& map = maps_[h];
-    if (position >= static_cast<std::int64_t>(map.size)) { extend(map, position + 1); }
+    if (position >= static_cast<std::int64_t>(sizes_[h])) { extend(h, position + 1); }
     return at(h, position);
   }
 
@@ -130,9 +132,8 @@ class position_pages {
   template <class F>
   [[gnu::always_inline]] void for_each(std::uint32_t h, std::int64_t first, std::int64_t count, F&& f)
   {
-    request_pages& map = maps_[h];
-    if (first + count > static_cast<std::int64_t>(map.size)) { extend(map, first + count); }
-    visit(map, first, count, f);
+    if (first + count > static_cast<std::int64_t>(sizes_[h])) { extend(h, first + count); }
+    visit(maps_[h], first, count, f);
   }
 
   /// @brief for_each() of positions no entry of `h` maps yet (`first` >= size(h)), whose entries
@@ -142,10 +143,9 @@ class position_pages {
   template <class F>
   [[gnu::always_inline]] void for_each_new(std::uint32_t h, std::int64_t first, std::int64_t count, F&& f)
   {
-    request_pages& map = maps_[h];
-    if (first > static_cast<std::int64_t>(map.size)) [[unlikely]] { extend(map, first); }
-    visit(map, first, count, f);
-    map.size = static_cast<std::uint32_t>(first + count);
+    if (first > static_cast<std::int64_t>(sizes_[h])) [[unlikely]] { extend(h, first); }
+    visit(maps_[h], first, count, f);
+    sizes_[h] = static_cast<std::uint32_t>(first + count);
   }
 
   /// @brief Pages waiting in the pool.
@@ -159,8 +159,7 @@ class position_pages {
   // A request's pages in position order: the first inline_pages here, the rest in `later`.
   struct request_pages {
     page* first[inline_pages] = {};
-    std::uint32_t count       = 0;  // pages held
-    std::uint32_t size        = 0;  // positions whose entries are written (max_positions bounds it)
+    std::size_t count         = 0;  // pages held
     std::vector<page*> later;
   };
 
@@ -179,13 +178,14 @@ class position_pages {
     }
   }
 
-  // Writes the entries of `map` from its size up to `end` value-initialized (copies of a blank
+  // Writes the entries of `h` from its size up to `end` value-initialized (copies of a blank
   // page: filling with a Ref{} that is not all zero bytes, a slot of -1, stores it field by field,
   // about eight instructions a position where the copy takes a few). Rare: a position mapped past
   // the request's last one (a prefix hit's, a recompute's, a claim after a gap).
-  [[gnu::noinline]] void extend(request_pages& map, std::int64_t end) noexcept
+  [[gnu::noinline]] void extend(std::uint32_t h, std::int64_t end) noexcept
   {
-    auto position = static_cast<std::int64_t>(map.size);
+    const request_pages& map = maps_[h];
+    auto position            = static_cast<std::int64_t>(sizes_[h]);
     while (position < end) {
       const auto offset    = static_cast<std::int64_t>(offset_of(position));
       const std::int64_t n = std::min(end - position, page_positions - offset);
@@ -193,7 +193,7 @@ class position_pages {
                   static_cast<std::size_t>(n) * sizeof(Ref));
       position += n;
     }
-    map.size = static_cast<std::uint32_t>(end);
+    sizes_[h] = static_cast<std::uint32_t>(end);
   }
 
   // positions are never negative: unsigned, the division and remainder are a shift and a mask
@@ -244,6 +244,10 @@ class position_pages {
   std::unique_ptr<const page> blank_;         // every entry value-initialized: what extend() copies
   std::vector<std::unique_ptr<page>> made_;  // every page, owned here
   std::vector<request_pages> maps_;          // per handle
+  // per handle: positions whose entries are written. Beside the maps, not in them: every step
+  // writes the size of each request it schedules, and a decoding batch would otherwise dirty a
+  // line of every request's map (read-only in steps otherwise), where here 16 sizes share one.
+  std::vector<std::uint32_t> sizes_;
   std::vector<page*> pool_;                  // pages no request holds
 };
 
