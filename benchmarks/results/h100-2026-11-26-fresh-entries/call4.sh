@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Call 4 (a fresh machine; carry .deps .baseline: `git archive eb08cb2`, the previous stop, less
-# benchmarks/results, docs and tests/fuzz/corpus): the C++ engine loop of the previous stop and of
-# this tree built side by side, then rounds that alternate the two (which runs first too) until
-# ROUND_BUDGET_S: block-slot storage at decode B1024 and at prefill 8k (64 MB of host memory
-# ahead), per-request storage at decode B1024 (code no change touches: a control), eager and CUDA
-# graph. Call 2 read decode B1024 a few microseconds higher for this tree in 14 rounds; these rounds
-# are for that scenario. Every line carries its round and tree.
+# Call 4 (a fresh machine; carry .deps .baseline .baseline_b: `git archive REV` of eb08cb2, the
+# previous stop, and of 9958a1a, changes 1 to 5 (call 2's head), each less benchmarks/results, docs
+# and tests/fuzz/corpus): the C++ engine loop of the three trees and of this one (b1f15d7: the
+# requests' sizes of change 1 in an array of their own) built side by side, then rounds that
+# rotate the three (which runs first too) until ROUND_BUDGET_S: block-slot storage at decode B1024
+# and at prefill 8k (64 MB of host memory ahead), per-request storage at decode B1024 (code no
+# change touches: a control), eager and CUDA graph. Call 2 read decode B1024 a few microseconds
+# higher for 9958a1a than for eb08cb2 in 14 rounds; these rounds are for that scenario. Every line
+# carries its round and tree.
 # Usage (repository root): OUT=... benchmarks/results/h100-2026-11-26-fresh-entries/call4.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -18,21 +20,23 @@ tag() { python3 benchmarks/results/tag_rounds.py "$@"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/machine.txt"
 prefix=()
 [ -d .deps/usr ] && prefix=(-DCMAKE_PREFIX_PATH="$PWD/.deps/usr")
-for t in "" baseline; do
+for t in "" baseline baseline_b; do
   src=".$t"; dir="build/$t"; [ -z "$t" ] && { src=.; dir=build/head; }
   ( cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${prefix[@]}" \
       -DROUTING_REPLAY_BUILD_TESTS=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF &&
-    cmake --build "$dir" -j 8 --target engine_loop ) >"$logs/build_${t:-head}.log" 2>&1 &
+    cmake --build "$dir" -j 5 --target engine_loop ) >"$logs/build_${t:-head}.log" 2>&1 &
 done
 wait
 echo "== built at $(( $(date +%s) - start )) s"
-ls build/head/benchmarks/engine_loop build/baseline/benchmarks/engine_loop || { tail -n 20 "$logs"/build_*.log; exit 1; }
+ls build/head/benchmarks/engine_loop build/baseline/benchmarks/engine_loop build/baseline_b/benchmarks/engine_loop || { tail -n 20 "$logs"/build_*.log; exit 1; }
 for round in $(seq 1 40); do
   if [ $(( $(date +%s) - start )) -gt "${ROUND_BUDGET_S:-450}" ]; then echo "== round $round not started"; break; fi
   echo "== round $round at $(( $(date +%s) - start )) s"
-  trees="base head"; [ $(( round % 2 )) = 0 ] && trees="head base"
+  case $(( round % 3 )) in 1) trees="base b head" ;; 2) trees="b head base" ;; *) trees="head base b" ;; esac
   for tree in $trees; do
-    exe=build/head/benchmarks/engine_loop; [ "$tree" = base ] && exe=build/baseline/benchmarks/engine_loop
+    exe=build/head/benchmarks/engine_loop
+    [ "$tree" = base ] && exe=build/baseline/benchmarks/engine_loop
+    [ "$tree" = b ] && exe=build/baseline_b/benchmarks/engine_loop
     "$exe" --backend cuda --mode both --copy device_scatter --storage block_slot,per_request --scenarios decode_B1024 \
       2>>"$out/errors.log" | tag round="$round" tree="$tree" >>"$out/engine_loop_cpp.jsonl"
     "$exe" --backend cuda --mode both --copy device_scatter --storage block_slot --scenarios prefill_8k \
