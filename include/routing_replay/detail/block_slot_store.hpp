@@ -7,10 +7,12 @@
 #include <routing_replay/detail/position_pages.hpp>
 #include <routing_replay/detail/row_claim.hpp>
 #include <routing_replay/detail/row_memory.hpp>
+#include <routing_replay/detail/streaming_store.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <limits>
@@ -460,6 +462,19 @@ class block_slot_store {
     std::uint64_t mapped_by = 0;  // the step that mapped it to `now` (0: before any step)
   };
 
+  // The words of position_ref{.now = {slot, generation}, .before = {}, .mapped_by = step}, in
+  // memory order, for store_streaming().
+  [[nodiscard]] static std::array<std::uint64_t, 3> new_mapping_words(std::int64_t slot,
+                                                                      std::uint32_t generation,
+                                                                      std::uint64_t step) noexcept
+  {
+    static_assert(std::endian::native == std::endian::little && sizeof(position_ref) == 24 &&
+                  offsetof(position_ref, before) == 8 && offsetof(position_ref, mapped_by) == 16 &&
+                  offsetof(slot_ref, generation) == 4);
+    constexpr std::uint64_t nothing = std::uint32_t{0xffffffffu};  // slot_ref{}: slot -1, generation 0
+    return {static_cast<std::uint32_t>(slot) | std::uint64_t{generation} << 32, nothing, step};
+  }
+
   // A mapping no unfiled step changed.
   [[nodiscard]] static position_ref settled(slot_ref at) noexcept { return {at, slot_ref{}, 0}; }
 
@@ -549,11 +564,20 @@ class block_slot_store {
     // integers among them as far as the compiler knows, and it reloaded them on every row.
     const std::uint32_t* const generation = generation_.data();
     slot_state* const states              = slots_.data();
+    // A long run (a prefill chunk) writes its entries around the cache: nothing reads them before
+    // the request is extracted, and written through it each would first be read from memory. A
+    // short one (a decoding request's position) keeps its line in the cache, where the request's
+    // next position goes.
+    const bool streams = slots.size() >= streamed_run;
     positions_.for_each_new(h, first, static_cast<std::int64_t>(slots.size()), [&](std::size_t i, position_ref& at) {
       const std::int64_t slot     = slots[i];
       const std::uint32_t planned = generation[block_of(slot)];
       slots_out[i]                = static_cast<std::int32_t>(slot);
-      at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = slot_ref{}, .mapped_by = step};
+      if (streams) {
+        store_streaming(at, new_mapping_words(slot, planned, step));
+      } else {
+        at = position_ref{.now = slot_ref{static_cast<std::int32_t>(slot), planned}, .before = slot_ref{}, .mapped_by = step};
+      }
       slot_state& state = states[slot];
       if (state.claimed_in == planned) [[unlikely]] {  // held: a row claimed in this generation
         const row_claim<Index> c = claim_slot(slot, planned, step, replace);
@@ -564,7 +588,12 @@ class block_slot_store {
       state.claim      = step;
       ranges.add(i, slot);
     });
+    if (streams) { streaming_stores_done(); }
   }
+
+  // Runs of at least this many new positions write their entries around the cache
+  // (claim_new_positions()): 64 entries are 24 whole cache lines.
+  static constexpr std::size_t streamed_run = 64;
 
   // The slot's half of a claim in its block's generation `planned` (current) by step `step`: where
   // the row goes, or nowhere if a row claimed in this generation stays (`replace` false).
