@@ -423,6 +423,50 @@ TEST_CASE_TEMPLATE("block-slot storage: requests longer than a page of position 
   }
 }
 
+TEST_CASE_TEMPLATE("block-slot storage: a long run of new positions over slots held in the same generation",
+                   RR, block_slot_replay, block_slot_deferred, block_slot_scattered)
+{
+  // A run this long writes its position entries with streaming stores, and the store gathers its
+  // rows into ranges as it claims: slots another request claimed in the same block generation break
+  // the ranges (first write wins, or the row is replaced), and both kinds of row must read back.
+  for (const bool overwrite : {false, true}) {
+    CAPTURE(overwrite);
+    auto config                      = rr_test::small_config();
+    config.max_tokens_per_step       = 128;
+    config.max_model_len             = 256;
+    config.block_size                = 16;
+    config.num_blocks                = 16;
+    config.overwrite_recomputed_rows = overwrite;
+    small_replay<RR> s{config};
+    const auto slots_from = [](std::int64_t first, std::int64_t n) {
+      std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+      std::iota(v.begin(), v.end(), first);
+      return v;
+    };
+    // request 1: positions [0, 100) at slots 0..99, then it goes (its rows stay at their slots)
+    s.rr().add_request(1);
+    const auto slots1 = slots_from(0, 100);
+    rr::step_plan plan1;
+    plan1.schedule({1, 0, 100, 0, slots1});
+    s.step(plan1, 1);
+    s.rr().release(1);
+    // request 2: a cached prefix of 40 positions, then [40, 140) at slots 40..139: 40..99 are held
+    const auto cached = slots_from(0, 40);
+    s.rr().add_request(2, {.cached_slots = cached});
+    const auto slots2 = slots_from(40, 100);
+    rr::step_plan plan2;
+    plan2.schedule({2, 40, 100, 0, slots2});
+    s.step(plan2, 2);
+    std::vector<std::int16_t> expected;
+    for (std::int64_t p = 0; p < 140; ++p) {
+      const bool held = p < 100;  // request 1's row at this slot, unless overwritten
+      const auto r    = held && !(overwrite && p >= 40) ? small_row<std::int16_t>(p, 1) : small_row<std::int16_t>(p - 40, 2);
+      expected.insert(expected.end(), r.begin(), r.end());
+    }
+    CHECK(s.rows(2) == expected);
+  }
+}
+
 TEST_CASE("per-request storage reads prefix-cache positions as missing")
 {
   small_replay<per_request_replay> s;
