@@ -163,19 +163,29 @@ class position_pages {
     std::vector<page*> later;
   };
 
-  // for_each()'s walk over entries [first, first + count) of `map`, a page at a time.
-  template <class F>
-  [[gnu::always_inline]] static void visit(const request_pages& map, std::int64_t first, std::int64_t count, F& f)
+  // Calls `g(i, refs, n)` for the entries of positions [first, first + count) of `map` a page at a
+  // time: positions first + i to first + i + n - 1 are refs[0] to refs[n - 1].
+  template <class G>
+  [[gnu::always_inline]] static void for_each_segment(const request_pages& map, std::int64_t first, std::int64_t count,
+                                                      G&& g)
   {
     std::int64_t i = 0;
     while (i < count) {
       const std::int64_t position = first + i;
-      Ref* const refs             = page_at(map, page_of(position))->refs;
       const auto offset           = static_cast<std::int64_t>(offset_of(position));
       const std::int64_t n        = std::min(count - i, page_positions - offset);
-      for (std::int64_t j = 0; j < n; ++j) { f(static_cast<std::size_t>(i + j), refs[offset + j]); }
+      g(i, page_at(map, page_of(position))->refs + offset, n);
       i += n;
     }
+  }
+
+  // for_each()'s walk over entries [first, first + count) of `map`.
+  template <class F>
+  [[gnu::always_inline]] static void visit(const request_pages& map, std::int64_t first, std::int64_t count, F& f)
+  {
+    for_each_segment(map, first, count, [&](std::int64_t i, Ref* refs, std::int64_t n) {
+      for (std::int64_t j = 0; j < n; ++j) { f(static_cast<std::size_t>(i + j), refs[j]); }
+    });
   }
 
   // Writes the entries of `h` from its size up to `end` value-initialized (copies of a blank
@@ -184,15 +194,10 @@ class position_pages {
   // the request's last one (a prefix hit's, a recompute's, a claim after a gap).
   [[gnu::noinline]] void extend(std::uint32_t h, std::int64_t end) noexcept
   {
-    const request_pages& map = maps_[h];
-    auto position            = static_cast<std::int64_t>(sizes_[h]);
-    while (position < end) {
-      const auto offset    = static_cast<std::int64_t>(offset_of(position));
-      const std::int64_t n = std::min(end - position, page_positions - offset);
-      std::memcpy(static_cast<void*>(page_at(map, page_of(position))->refs + offset), blank_->refs + offset,
-                  static_cast<std::size_t>(n) * sizeof(Ref));
-      position += n;
-    }
+    const auto size = static_cast<std::int64_t>(sizes_[h]);
+    for_each_segment(maps_[h], size, end - size, [&](std::int64_t, Ref* refs, std::int64_t n) {
+      std::memcpy(static_cast<void*>(refs), blank_->refs, static_cast<std::size_t>(n) * sizeof(Ref));
+    });
     sizes_[h] = static_cast<std::uint32_t>(end);
   }
 
