@@ -8,6 +8,7 @@
 #include <routing_replay/routed_experts.hpp>
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -79,31 +80,39 @@ template <expert_index Index>
   return to_npy<Index>(rows.flat(), shape);
 }
 
-/// @brief Standard base64 (RFC 4648, with padding) of arbitrary bytes.
-[[nodiscard]] inline std::string base64_encode(std::string_view bytes)
+/// @brief Characters of the base64 (RFC 4648, padded) of `bytes` bytes.
+[[nodiscard]] constexpr std::size_t base64_size(std::size_t bytes) noexcept { return (bytes + 2) / 3 * 4; }
+
+/// @brief Writes standard base64 (RFC 4648, with padding) of `bytes` bytes at `in` to `out`
+/// (base64_size(bytes) characters, no terminator). Pieces of a byte stream whose sizes, but the
+/// last, are multiples of 3 encode to the pieces of its encoding, so a stream can be written in parts.
+inline void base64_encode_to(const unsigned char* in, std::size_t bytes, char* out) noexcept
 {
   static constexpr char alphabet[] =
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  out.reserve((bytes.size() + 2) / 3 * 4);
   std::size_t i = 0;
-  for (; i + 3 <= bytes.size(); i += 3) {
-    const auto b = (std::uint32_t{static_cast<unsigned char>(bytes[i])} << 16) |
-                   (std::uint32_t{static_cast<unsigned char>(bytes[i + 1])} << 8) |
-                   std::uint32_t{static_cast<unsigned char>(bytes[i + 2])};
-    out.push_back(alphabet[(b >> 18) & 63]);
-    out.push_back(alphabet[(b >> 12) & 63]);
-    out.push_back(alphabet[(b >> 6) & 63]);
-    out.push_back(alphabet[b & 63]);
+  for (; i + 3 <= bytes; i += 3) {
+    const auto b = (std::uint32_t{in[i]} << 16) | (std::uint32_t{in[i + 1]} << 8) | std::uint32_t{in[i + 2]};
+    *out++ = alphabet[(b >> 18) & 63];
+    *out++ = alphabet[(b >> 12) & 63];
+    *out++ = alphabet[(b >> 6) & 63];
+    *out++ = alphabet[b & 63];
   }
-  if (const std::size_t rest = bytes.size() - i; rest != 0) {
-    std::uint32_t b = std::uint32_t{static_cast<unsigned char>(bytes[i])} << 16;
-    if (rest == 2) { b |= std::uint32_t{static_cast<unsigned char>(bytes[i + 1])} << 8; }
-    out.push_back(alphabet[(b >> 18) & 63]);
-    out.push_back(alphabet[(b >> 12) & 63]);
-    out.push_back(rest == 2 ? alphabet[(b >> 6) & 63] : '=');
-    out.push_back('=');
+  if (const std::size_t rest = bytes - i; rest != 0) {
+    std::uint32_t b = std::uint32_t{in[i]} << 16;
+    if (rest == 2) { b |= std::uint32_t{in[i + 1]} << 8; }
+    *out++ = alphabet[(b >> 18) & 63];
+    *out++ = alphabet[(b >> 12) & 63];
+    *out++ = rest == 2 ? alphabet[(b >> 6) & 63] : '=';
+    *out   = '=';
   }
+}
+
+/// @brief Standard base64 (RFC 4648, with padding) of arbitrary bytes.
+[[nodiscard]] inline std::string base64_encode(std::string_view bytes)
+{
+  std::string out(base64_size(bytes.size()), '\0');
+  base64_encode_to(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), out.data());
   return out;
 }
 

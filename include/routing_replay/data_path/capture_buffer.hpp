@@ -43,6 +43,11 @@ struct capture_options {
   /// memory, read when the kernel runs (added to source_row_offset); num_tokens then bounds the
   /// rows captured. nullptr: every one of num_tokens rows is captured.
   const row_span* device_row_span = nullptr;
+  /// @brief Whether an id outside [0, E) is reported (invalid_id, the step is refused) besides being
+  /// stored as the sentinel. false leaves only the sentinel, which the end-of-step check reports as
+  /// an unwritten cell if its row belongs to the step: for engines whose router marks the padding
+  /// rows of a CUDA graph with -1 (SGLang), rows the capture cannot tell from the step's own.
+  bool report_invalid_ids = true;
 };
 
 /// @brief D, `N_max * L * K` ids of `Index` in `Layout` order, the sentinel wherever no capture
@@ -120,7 +125,8 @@ class capture_buffer {
                                                               num_experts_,
                                                               slot,
                                                               top_k_,
-                                                              items};
+                                                              items,
+                                                              options.report_invalid_ids};
     // a dependent launch: the router output it reads is the previous kernel's
     if (options.device_row_span != nullptr) {
       Backend::launch_dependent_async(detail::blocks_for(items), detail::kernel_block_threads,

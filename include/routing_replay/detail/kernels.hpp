@@ -95,7 +95,8 @@ struct capture_layer {
   std::int64_t num_experts;                 // E
   std::int32_t layer_slot;
   std::int32_t top_k;
-  std::int32_t num_items;  // rows * K
+  std::int32_t num_items;     // rows * K
+  bool report_invalid = true; // false: an invalid id is only stored as the sentinel (capture_options)
 
   ROUTING_REPLAY_HOST_DEVICE void operator()(std::int32_t block, std::int32_t thread) const noexcept
   {
@@ -111,10 +112,23 @@ struct capture_layer {
       buffer(layer_slot, row, column) = static_cast<Index>(id);
     } else {
       buffer(layer_slot, row, column) = index_traits<Index>::sentinel;
-      status->invalid_id.report(id, layer_slot, row, column);
+      if (report_invalid) { status->invalid_id.report(id, layer_slot, row, column); }
     }
   }
 };
+
+/// @brief Whether the end-of-step check reports a (layer, row) of a merge's step still holding the
+/// sentinel: yes, unless the merge says which layers must be written (`requires_layer(layer)`), as
+/// slot_rows' does for the layers no capture path was ever handed.
+template <class Merge>
+[[nodiscard]] ROUTING_REPLAY_HOST_DEVICE bool merge_requires_layer(const Merge& merge, std::int32_t layer) noexcept
+{
+  if constexpr (requires { merge.requires_layer(layer); }) {
+    return merge.requires_layer(layer);
+  } else {
+    return true;
+  }
+}
 
 /// @brief The end-of-step kernel's default merge: D holds the step's rows as the capture paths
 /// wrote them.
@@ -142,7 +156,9 @@ struct no_merge {
 /// `Merge` writes rows kept outside D into a cell before it is checked (the Python binding's staged
 /// captures, which would otherwise take a kernel of their own a step): called by the cell's own
 /// thread as merge(layer, row, row < N, cell, status) for every row below merge.rows(), which
-/// reset_rows covers. Its problems go to the step's status, as record()'s would.
+/// reset_rows covers. Its problems go to the step's status, as record()'s would. A merge with a
+/// `requires_layer(layer)` member decides which layers' unwritten cells are reported
+/// (merge_requires_layer()).
 template <class Index, class Layout, class Word, class Merge = no_merge>
 struct harvest_rows {
   buffer_mdspan<Index, Layout> buffer;
@@ -202,7 +218,7 @@ struct harvest_rows {
         }
       }
       // one report per (layer, row) keeps the count meaningful: unwritten rows
-      if (unwritten) { status->unwritten.report(0, layer, row, 0); }
+      if (unwritten && merge_requires_layer(merge, layer)) { status->unwritten.report(0, layer, row, 0); }
     }
     const Word reset = sentinel_word<Index, Word>();
     for (std::int32_t w = 0; w < words; ++w) { store_word(cell + w, reset); }

@@ -1,0 +1,157 @@
+/// @file
+/// The host side of slot_rows' reads: which layers a capture path was handed, and rows read back
+/// from the pool at a request's KV slots, widened, checked and, on request, written as base64 without
+/// the array in between.
+#pragma once
+
+#include <routing_replay/detail/slot_rows_kernels.hpp>
+#include <routing_replay/errors.hpp>
+#include <routing_replay/index_type.hpp>
+#include <routing_replay/layer_map.hpp>
+#include <routing_replay/npy.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace routing_replay {
+
+/// @brief How slot_rows::read() names what it reads, and what it writes for layers with no rows.
+struct slot_read_options {
+  /// @brief The position of the first slot read (messages name positions from it).
+  std::int64_t first_position = 0;
+  /// @brief How messages name the reader's request ("request pool index 3"); empty: "row i".
+  std::string request;
+  /// @brief Written for every id of a layer no capture path was ever handed, and of model layers
+  /// outside the layer map.
+  std::int64_t uncaptured_value = 0;
+};
+
+namespace detail {
+
+/// @brief The layers captured so far and the reads of the pool of a slot_rows.
+template <class Index>
+class slot_rows_reader {
+  using traits = index_traits<Index>;
+
+ public:
+  /// @brief For a pool of `num_slots` rows of `layers`' layers (K ids each), read as rows of
+  /// `num_model_layers` layers.
+  slot_rows_reader(std::int32_t num_model_layers, std::int32_t top_k, std::int64_t num_slots, const layer_map& layers)
+    : layers_(layers),
+      num_model_layers_(num_model_layers),
+      top_k_(top_k),
+      num_slots_(num_slots),
+      row_elems_(static_cast<std::int64_t>(layers.num_layers()) * top_k),
+      captured_(static_cast<std::size_t>(layers.num_layers()), false)
+  {
+  }
+
+  /// @brief The pool rows are read from.
+  void attach(const Index* pool) noexcept { pool_ = pool; }
+
+  /// @brief Layer slot `slot` was handed to a capture path: from now on its cells must be written.
+  void mark_captured(std::int32_t slot) noexcept
+  {
+    captured_[static_cast<std::size_t>(slot)] = true;
+    required_[static_cast<std::size_t>(slot >> 6)] |= std::uint64_t{1} << (slot & 63);
+  }
+  /// @brief The layer slots captured so far, as the end-of-step kernel takes them.
+  [[nodiscard]] const layer_mask& required_layers() const noexcept { return required_; }
+  /// @brief Whether model layer `model_layer` is in the map and was captured.
+  [[nodiscard]] bool model_layer_captured(std::int32_t model_layer) const noexcept
+  {
+    const std::int32_t s = layers_.slot_or_none(model_layer);
+    return s >= 0 && captured_[static_cast<std::size_t>(s)];
+  }
+
+  /// @brief Writes [slots.size(), num_model_layers, K] of `Out` read at `slots`.
+  template <class Out, std::integral Slot>
+  void read(std::span<const Slot> slots, Out* out, const slot_read_options& options) const
+  {
+    const std::size_t out_row = out_row_elems();
+    for (std::size_t i = 0; i < slots.size(); ++i) { read_row(slots, i, out + i * out_row, options); }
+  }
+
+  /// @brief Characters of the base64 of `rows` rows of `Out`.
+  template <class Out>
+  [[nodiscard]] std::size_t base64_chars(std::int64_t rows) const noexcept
+  {
+    return base64_size(static_cast<std::size_t>(std::max<std::int64_t>(rows, 0)) * out_row_elems() * sizeof(Out));
+  }
+
+  /// @brief Writes base64 of the bytes read() would write, three rows at a time (3 rows are a
+  /// multiple of 3 bytes, so each group encodes on its own), into `chars`.
+  template <class Out, std::integral Slot>
+  void read_base64(std::span<const Slot> slots, char* chars, const slot_read_options& options) const
+  {
+    static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
+    constexpr std::size_t rows_per_group = 3;
+    const std::size_t out_row            = out_row_elems();
+    std::vector<Out> group(rows_per_group * out_row);
+    for (std::size_t first = 0; first < slots.size(); first += rows_per_group) {
+      const std::size_t rows = std::min(rows_per_group, slots.size() - first);
+      for (std::size_t r = 0; r < rows; ++r) { read_row(slots, first + r, group.data() + r * out_row, options); }
+      const std::size_t bytes = rows * out_row * sizeof(Out);
+      base64_encode_to(reinterpret_cast<const unsigned char*>(group.data()), bytes, chars);
+      chars += base64_size(bytes);
+    }
+  }
+
+ private:
+  [[nodiscard]] std::size_t out_row_elems() const noexcept
+  {
+    return static_cast<std::size_t>(num_model_layers_) * static_cast<std::size_t>(top_k_);
+  }
+
+  [[nodiscard]] static std::string who(const slot_read_options& o, std::size_t i)
+  {
+    if (o.request.empty()) { return "row " + std::to_string(i); }
+    return o.request + ", position " + std::to_string(o.first_position + static_cast<std::int64_t>(i));
+  }
+
+  template <class Out, std::integral Slot>
+  void read_row(std::span<const Slot> slots, std::size_t i, Out* out, const slot_read_options& options) const
+  {
+    const auto slot = static_cast<std::int64_t>(slots[i]);
+    if (slot < 0 || slot >= num_slots_) {
+      throw error{errc::slot_out_of_range, who(options, i) + " has KV slot " + std::to_string(slot) +
+                                             ", outside the pool [0, " + std::to_string(num_slots_) + ")"};
+    }
+    const Index* row = pool_ + slot * row_elems_;
+    const auto k     = static_cast<std::size_t>(top_k_);
+    for (std::int32_t m = 0; m < num_model_layers_; ++m, out += k) {
+      const std::int32_t s = layers_.slot_or_none(m);
+      if (s < 0 || !captured_[static_cast<std::size_t>(s)]) {
+        std::fill(out, out + k, static_cast<Out>(options.uncaptured_value));
+        continue;
+      }
+      const Index* cell = row + static_cast<std::size_t>(s) * k;
+      for (std::size_t c = 0; c < k; ++c) {
+        if (cell[c] == traits::sentinel) {
+          throw error{errc::missing_routing,
+                      who(options, i) + " (KV slot " + std::to_string(slot) + ") holds no routing for " +
+                        layers_.describe(s) + ": no step wrote it, or the step that did was refused"};
+        }
+        out[c] = static_cast<Out>(cell[c]);
+      }
+    }
+  }
+
+  const layer_map& layers_;
+  std::int32_t num_model_layers_;
+  std::int32_t top_k_;
+  std::int64_t num_slots_;
+  std::int64_t row_elems_;  // L * K of the pool
+  const Index* pool_ = nullptr;
+  std::vector<bool> captured_;
+  layer_mask required_{};
+};
+
+}  // namespace detail
+}  // namespace routing_replay
