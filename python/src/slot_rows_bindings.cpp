@@ -219,7 +219,7 @@ void bind_slot_rows(nb::module_& m)
     .def("read_into",
          [](const slot_rows_handle& h, nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu> slots,
             nb::ndarray<std::int32_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> out, std::int64_t first_position,
-            std::string request, std::int64_t uncaptured) {
+            std::string request, std::int64_t uncaptured, std::uint64_t wait_through) {
            const host_slots s = slots_of(slots);
            const auto& c      = h.impl->config();
            if (out.shape(0) != s.count || out.shape(1) != static_cast<std::size_t>(c.num_model_layers) ||
@@ -229,13 +229,15 @@ void bind_slot_rows(nb::module_& m)
            const slot_read_options o = read_options(first_position, std::move(request), uncaptured);
            std::int32_t* data        = out.data();
            nb::gil_scoped_release unlocked;
+           h.impl->wait(wait_through);
            h.impl->read_int32(s.data, s.dtype, s.count, data, o);
          },
-         "slots"_a, "out"_a, "first_position"_a, "request"_a, "uncaptured"_a,
-         "Writes the rows at host `slots` into `out`, int32 [len(slots), num_model_layers, top_k].")
+         "slots"_a, "out"_a, "first_position"_a, "request"_a, "uncaptured"_a, "wait_through"_a,
+         "Waits for the steps up to `wait_through`, then writes the rows at host `slots` into `out`, int32 "
+         "[len(slots), num_model_layers, top_k].")
     .def("read_base64",
          [](const slot_rows_handle& h, nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu> slots,
-            std::int64_t first_position, std::string request, std::int64_t uncaptured) {
+            std::int64_t first_position, std::string request, std::int64_t uncaptured, std::uint64_t wait_through) {
            const host_slots s        = slots_of(slots);
            const std::size_t chars   = h.impl->base64_chars_int32(static_cast<std::int64_t>(s.count));
            const slot_read_options o = read_options(first_position, std::move(request), uncaptured);
@@ -245,12 +247,13 @@ void bind_slot_rows(nb::module_& m)
            char* into = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(text.ptr()));  // NOLINT: CPython's layout
            {
              nb::gil_scoped_release unlocked;
+             h.impl->wait(wait_through);
              h.impl->read_base64_int32(s.data, s.dtype, s.count, into, o);
            }
            return text;
          },
-         "slots"_a, "first_position"_a, "request"_a, "uncaptured"_a,
-         "base64 of the int32 bytes read_into would write, as a str (written in place).");
+         "slots"_a, "first_position"_a, "request"_a, "uncaptured"_a, "wait_through"_a,
+         "As read_into, as base64 of the int32 bytes, in a str written in place.");
 
   m.def("create_slot_rows",
         [](const std::string& index, const slot_rows_config& config) {
