@@ -86,7 +86,8 @@ void capture(slot_rows_handle& h, std::int32_t layer, std::uintptr_t data, std::
 }
 
 /// An end of step; on the host backend the step's slots are read at once (idle stream) or copied.
-/// `check`: then retire the steps already done and raise the first failure among them.
+/// `check`: then retire the steps before it (waiting for their scatters) and those already done, and
+/// raise the first failure among them.
 std::uint64_t end_step(slot_rows_handle& h, std::uintptr_t slots, std::int32_t dtype, std::int64_t rows,
                        std::uintptr_t stream, bool graph_replayed, std::int64_t padded_rows, bool check)
 {
@@ -110,7 +111,15 @@ std::uint64_t end_step(slot_rows_handle& h, std::uintptr_t slots, std::int32_t d
       s.enqueue([copy] {});
     }
   }
-  if (check) { h.impl->throw_failure(h.impl->poll()); }
+  if (check) {
+    // the synchronous path: the previous step's forward has run (the engine read its tokens), so its
+    // scatter is done or nearly; a step's error is raised by the next end of step, every time
+    {
+      nb::gil_scoped_release unlocked;
+      h.impl->wait(serial - 1);
+    }
+    h.impl->throw_failure(h.impl->poll());
+  }
   return serial;
 }
 

@@ -216,9 +216,10 @@ class RoutedExpertsCapturer:
         (``out_cache_loc_virtual`` where set: a padded kernel batch stores its real tokens only), on
         the device. Two kernels and an event or two; never waits.
 
-        Returns None (synchronous path: the first error of an earlier step, found by now, is raised
-        here) or, with ``no_copy_to_cpu``, a :class:`TopkCaptureOutput` whose ``finalize()`` raises
-        this step's error."""
+        Returns None (synchronous path: the previous step's error, if any, is raised here; its
+        scatter, which in SGLang's synchronous scheduler finished before this forward was planned,
+        is waited for) or, with ``no_copy_to_cpu``, a :class:`TopkCaptureOutput` whose
+        ``finalize()`` raises this step's error."""
         full = forward_batch.out_cache_loc
         loc = getattr(forward_batch, "out_cache_loc_virtual", None)
         if loc is None:
@@ -229,15 +230,21 @@ class RoutedExpertsCapturer:
         graph = bool(can_run_graph)
         padded = int(cuda_graph_batch) if graph and cuda_graph_batch else 0
         check = not no_copy_to_cpu
-        if type(loc) is np.ndarray:
-            serial = self._native.end_step_array(loc, self._stream.handle, graph, padded, check)
-        else:
-            if loc.get_device() != self._device_index:
-                raise ValueError(f"out_cache_loc is on device {loc.get_device()}, the capturer on {self._device_index}")
-            if loc.dim() != 1 or (loc.shape[0] > 1 and loc.stride(0) != 1):
-                loc = loc.contiguous().reshape(-1)
-            serial = self._native.end_step(loc.data_ptr(), self._codes[loc.dtype], loc.shape[0],
-                                           self._read_stream(self._stream_key), graph, padded, check)
+        try:
+            if type(loc) is np.ndarray:
+                serial = self._native.end_step_array(loc, self._stream.handle, graph, padded, check)
+            else:
+                if loc.get_device() != self._device_index:
+                    raise ValueError(f"out_cache_loc is on device {loc.get_device()}, the capturer on "
+                                     f"{self._device_index}")
+                if loc.dim() != 1 or (loc.shape[0] > 1 and loc.stride(0) != 1):
+                    loc = loc.contiguous().reshape(-1)
+                serial = self._native.end_step(loc.data_ptr(), self._codes[loc.dtype], loc.shape[0],
+                                               self._read_stream(self._stream_key), graph, padded, check)
+        except _core.Error:
+            if check:  # an earlier step's error: this step was enqueued all the same
+                self._visible = self._native.last_step
+            raise
         if no_copy_to_cpu:
             return TopkCaptureOutput(self, serial)
         self._visible = serial
