@@ -9,7 +9,6 @@ or torch is absent. Host backend always; CUDA where the conftest allows.
 from __future__ import annotations
 
 import collections
-
 from types import SimpleNamespace
 
 import numpy as np
