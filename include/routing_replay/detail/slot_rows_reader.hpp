@@ -48,7 +48,8 @@ class slot_rows_reader {
       top_k_(top_k),
       num_slots_(num_slots),
       row_elems_(static_cast<std::int64_t>(layers.num_layers()) * top_k),
-      captured_(static_cast<std::size_t>(layers.num_layers()), false)
+      captured_(static_cast<std::size_t>(layers.num_layers()), false),
+      read_slot_(static_cast<std::size_t>(num_model_layers), -1)
   {
   }
 
@@ -58,8 +59,12 @@ class slot_rows_reader {
   /// @brief Layer slot `slot` was handed to a capture path: from now on its cells must be written.
   void mark_captured(std::int32_t slot) noexcept
   {
+    if (captured_[static_cast<std::size_t>(slot)]) { return; }
     captured_[static_cast<std::size_t>(slot)] = true;
     required_[static_cast<std::size_t>(slot >> 6)] |= std::uint64_t{1} << (slot & 63);
+    for (std::int32_t m = 0; m < num_model_layers_; ++m) {
+      if (layers_.slot_or_none(m) == slot) { read_slot_[static_cast<std::size_t>(m)] = slot; }
+    }
   }
   /// @brief The layer slots captured so far, as the end-of-step kernel takes them.
   [[nodiscard]] const layer_mask& required_layers() const noexcept { return required_; }
@@ -126,19 +131,21 @@ class slot_rows_reader {
     const Index* row = pool_ + slot * row_elems_;
     const auto k     = static_cast<std::size_t>(top_k_);
     for (std::int32_t m = 0; m < num_model_layers_; ++m, out += k) {
-      const std::int32_t s = layers_.slot_or_none(m);
-      if (s < 0 || !captured_[static_cast<std::size_t>(s)]) {
+      const std::int32_t s = read_slot_[static_cast<std::size_t>(m)];
+      if (s < 0) {
         std::fill(out, out + k, static_cast<Out>(options.uncaptured_value));
         continue;
       }
       const Index* cell = row + static_cast<std::size_t>(s) * k;
+      bool missing      = false;  // checked once a cell: the copy loop stays free of branches
       for (std::size_t c = 0; c < k; ++c) {
-        if (cell[c] == traits::sentinel) {
-          throw error{errc::missing_routing,
-                      who(options, i) + " (KV slot " + std::to_string(slot) + ") holds no routing for " +
-                        layers_.describe(s) + ": no step wrote it, or the step that did was refused"};
-        }
+        missing |= cell[c] == traits::sentinel;
         out[c] = static_cast<Out>(cell[c]);
+      }
+      if (missing) [[unlikely]] {
+        throw error{errc::missing_routing, who(options, i) + " (KV slot " + std::to_string(slot) +
+                                             ") holds no routing for " + layers_.describe(s) +
+                                             ": no step wrote it, or the step that did was refused"};
       }
     }
   }
@@ -150,6 +157,7 @@ class slot_rows_reader {
   std::int64_t row_elems_;  // L * K of the pool
   const Index* pool_ = nullptr;
   std::vector<bool> captured_;
+  std::vector<std::int32_t> read_slot_;  // per model layer: its pool layer once captured, else -1
   layer_mask required_{};
 };
 
