@@ -26,6 +26,7 @@ wrote (a dense layer) reads 0, as SGLang's zero-filled cache does.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import numpy as np
@@ -38,6 +39,8 @@ except ImportError:  # the stdlib module has the same b64 functions
 from .. import _arrays, _core, _live, _replay_ids, _torch_capture_op
 from .. import _cuda, _cuda_device, _parse_device
 from . import _context
+
+logger = logging.getLogger("routing_replay.sglang")
 
 __all__ = [
     "RoutedExpertsCapturer",
@@ -175,6 +178,10 @@ class RoutedExpertsCapturer:
                                                   read_stream, key, self._compiling)
         self._id = next(_replay_ids)
         _live[self._id] = self
+        logger.info("routing_replay: routed experts of %d layers x top-%d stored at %d KV slots as %s, %.2f GB "
+                    "pinned (%s)", self.num_layers, self.topk_size, int(num_tokens), index,
+                    self._native.pinned_bytes / 2**30, "host backend" if self._stream is not None else
+                    f"cuda:{self._device_index}")
 
     # ---- the forward --------------------------------------------------------------------------
 
