@@ -330,3 +330,25 @@ def test_module_functions():
     field = peer().pybase64.b64encode(np.arange(6, dtype=np.int32).tobytes()).decode()
     data = {"meta_info": {"routed_experts": field}}
     assert np.array_equal(ours.extract_routed_experts_from_meta_info(data), peer().extract_routed_experts_from_meta_info(data))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capture_inside_torch_compile(backend):
+    # Dynamo records capture() as the library's custom op; it runs at every call of the compiled forward
+    dev = torch_device(backend)
+    mine, theirs = pair(backend, layers=3, top_k=2, experts=16, num_tokens=64)
+
+    def forward(cap, logits):
+        for layer in (1, 2):
+            cap.capture(layer, torch.topk(logits + layer, 2, dim=-1).indices.to(torch.int32))
+        return logits.sum()
+
+    compiled = torch.compile(forward, backend="eager", fullgraph=True)
+    for step in range(3):
+        logits = torch.randn(4, 16, device=dev, generator=torch.Generator(dev).manual_seed(step))
+        slots = torch.arange(4 * step, 4 * step + 4, device=dev)
+        for cap, fn in ((mine, compiled), (theirs, forward)):
+            fn(cap, logits)
+            cap.on_forward_end(SimpleNamespace(out_cache_loc=slots, out_cache_loc_virtual=None), False, None)
+    pool = SimpleNamespace(req_to_token=torch.arange(13, dtype=torch.int32, device=dev)[None])
+    assert torch.equal(mine.get_topk(0, 13, pool), theirs.get_topk(0, 13, pool))
