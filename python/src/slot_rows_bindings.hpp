@@ -63,6 +63,7 @@ struct slot_rows_handle {
     : impl(std::move(rows)), backend(kind), device_id(device)
   {
   }
+  /// @brief Takes over another handle (nanobind moves a returned handle into its Python object).
   slot_rows_handle(slot_rows_handle&&) noexcept            = default;
   slot_rows_handle& operator=(slot_rows_handle&&) noexcept = delete;
   slot_rows_handle(const slot_rows_handle&)                = delete;
