@@ -31,7 +31,7 @@ stream: scatter_on_compute_stream=True). The peer is loaded from --peers, or whe
 Usage:
   python3 benchmarks/python/sglang_side_by_side.py --device cuda|cpu [--steps 64] [--warmup 8]
       [--scenarios decode_B1,...] [--impls sglang,ours,ours_compute] [--paths sync,overlap]
-      [--pool-tokens N] [--prompt P] [--peers PATH]
+      [--pool-tokens N] [--prompt P] [--torch-threads T] [--peers PATH]
 """
 
 from __future__ import annotations
@@ -218,9 +218,15 @@ def main():
     p.add_argument("--impls", default="sglang,ours")
     p.add_argument("--paths", default="sync,overlap")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of the decode scenarios' requests")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch's CPU threads (default: 1 with --device cpu, where the peer's host-cache writes "
+                        "otherwise wait on idle OpenMP threads of a busy machine; torch's default on CUDA)")
     p.add_argument("--pool-tokens", type=int, default=None,
                    help="KV pool slots (default: 2M on CUDA, as SGLang's 3.2 GB example; 512k on the CPU)")
     args = p.parse_args()
+    threads = args.torch_threads or (1 if args.device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     if args.pool_tokens is None:
         args.pool_tokens = 2 * 1024 * 1024 if args.device == "cuda" else 512 * 1024
     peer = load_peer(args.peers)
