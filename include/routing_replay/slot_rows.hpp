@@ -8,6 +8,7 @@
 #include <routing_replay/backend.hpp>
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/data_path/capture_buffer.hpp>
+#include <routing_replay/detail/slot_rows_errors.hpp>
 #include <routing_replay/detail/slot_rows_kernels.hpp>
 #include <routing_replay/detail/slot_rows_reader.hpp>
 #include <routing_replay/detail/validate_config.hpp>
@@ -147,7 +148,8 @@ class slot_rows {
     options.report_invalid_ids = false;
     buffer_.capture(model_layer, topk_ids, num_tokens, stream, options);
     reader_.mark_captured(buffer_.layers().slot(model_layer));
-    if (Backend::is_capturing(stream)) { graph_rows_ = std::max(graph_rows_, num_tokens); }
+    // only a capture larger than every graph's so far can raise the padding a replay may write
+    if (num_tokens > graph_rows_ && Backend::is_capturing(stream)) { graph_rows_ = num_tokens; }
   }
 
   /// @brief The [num_rows, K] slab of D for kernels that write a layer themselves.
@@ -408,44 +410,13 @@ class slot_rows {
     if (!backend_failure.empty()) {
       failures_.push_back({p.serial, error{errc::backend_error, step_name(p.serial) + backend_failure}});
     } else if (const detail::slot_step_status s = *Backend::data(p.published); !s.clean()) {
-      failures_.push_back({p.serial, describe(p.serial, s)});
+      failures_.push_back({p.serial, detail::describe_slot_step(step_name(p.serial), s, buffer_.layers(),
+                                                                config_.num_slots, config_.num_experts)});
     }
     return true;
   }
 
   [[nodiscard]] static std::string step_name(std::uint64_t serial) { return "step " + std::to_string(serial) + ": "; }
-
-  [[nodiscard]] error describe(std::uint64_t serial, const detail::slot_step_status& s) const
-  {
-    const std::string step = step_name(serial);
-    const auto count = [](const detail::problem_report& r) {
-      return " (" + std::to_string(r.count) + " occurrence" + (r.count == 1 ? "" : "s") + ")";
-    };
-    const auto cell = [&](const detail::problem_report& r) {
-      return buffer_.layers().describe(r.layer) + ", row " + std::to_string(r.row);
-    };
-    if (s.bad_slot.count != 0) {
-      return error{errc::slot_out_of_range, step + "row " + std::to_string(s.bad_slot.row) + " has KV slot " +
-                                              std::to_string(s.bad_slot.value) + ", outside the pool [0, " +
-                                              std::to_string(config_.num_slots) + ")" + count(s.bad_slot)};
-    }
-    if (s.rows.invalid_id.count != 0 || s.rows.out_of_range.count != 0) {
-      const auto& r = s.rows.invalid_id.count != 0 ? s.rows.invalid_id : s.rows.out_of_range;
-      return error{errc::invalid_expert_id, step + cell(r) + ", column " + std::to_string(r.column) + ": expert id " +
-                                              std::to_string(r.value) + " outside [0, " +
-                                              std::to_string(config_.num_experts) + ")" + count(r)};
-    }
-    if (s.rows.out_of_bounds.count != 0) {
-      const auto& r = s.rows.out_of_bounds;
-      return error{errc::invalid_argument, step + "a device_ref::record outside the buffer (layer slot " +
-                                             std::to_string(r.layer) + ", row " + std::to_string(r.row) +
-                                             ", column " + std::to_string(r.column) + ")" + count(r)};
-    }
-    const auto& r = s.rows.unwritten;
-    return error{errc::missing_routing,
-                 step + cell(r) + " holds no valid expert id: the layer was captured, but not for this row of the "
-                        "step, or with an id outside [0, " + std::to_string(config_.num_experts) + ")" + count(r)};
-  }
 
   slot_rows_config config_;
   typename Backend::stream side_;  // the scatter's stream (unused when it runs on the compute stream)
