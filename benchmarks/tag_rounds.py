@@ -1,8 +1,9 @@
-"""Tags JSON lines for the results scripts: each JSON object read from stdin is printed again with
-the fields given as arguments (KEY=VALUE; an integer VALUE stays an integer) in front; lines that
-are not JSON (a program's progress output) are dropped.
+"""Tags benchmark JSON lines with their round and tree: each JSON object read from stdin is printed
+again with the fields given as arguments (KEY=VALUE; an integer VALUE stays an integer) in front;
+lines that are not JSON (a program's progress output) are dropped.
 
-Usage: program | python3 benchmarks/results/tag_rounds.py round=2 tree=head >> results.jsonl
+Usage: program | python3 benchmarks/tag_rounds.py round=2 tree=$(git rev-parse --short HEAD) >> results.jsonl
+benchmarks/medians.py then prints medians over rounds per configuration and tree.
 """
 
 import json
