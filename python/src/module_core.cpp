@@ -5,6 +5,7 @@
 #include "handle.hpp"
 #include "instances.hpp"
 #include "replay_base.hpp"
+#include "stream_bindings.hpp"
 
 #include <routing_replay/errors.hpp>
 #include <routing_replay/host_backend.hpp>
@@ -942,4 +943,5 @@ NB_MODULE(_core, m)
         "array"_a, "The bytes of a .npy file holding a C-contiguous integer array (8, 16 or 32 bits).");
   m.def("base64_encode", [](nb::bytes b) { return rr::base64_encode(std::string_view{b.c_str(), b.size()}); },
         "data"_a, "Standard base64 (RFC 4648, padded).");
+  rp::register_vllm_streams(m);  // routing_replay.vllm
 }

@@ -3,6 +3,7 @@
 /// Config, StepPlan, Error) is bound by routing_replay._core, which this module imports first.
 #include "cuda_instances.hpp"
 #include "handle.hpp"
+#include "stream_bindings.hpp"
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -66,4 +67,5 @@ NB_MODULE(_core_cuda, m)
         },
         "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a = nb::none(), "staging"_a = false,
         "Creates a CUDA-backend replay on the current device (internal: use routing_replay.Replay).");
+  rp::register_cuda_stream_device(m);  // routing_replay.vllm
 }
