@@ -8,10 +8,13 @@
 /// computed on another instance) keeps that partial block out of the tier instead of failing, and a
 /// range that cannot be served names the request, the range and the block.
 ///
-/// Threads: the engine's thread calls everything here (one at a time) and does only metadata:
-/// cursors, which rows go where. A filing thread (detail::filing_worker) moves the rows into tails
-/// and updates the tier, in order; a call that must read a tail or the tier waits for it first.
-/// A failed tier update fails the calls that update or read the tier after it.
+/// Threads: the engine's thread calls everything here (one at a time): cursors, and the copy of a
+/// step's rows into request tails (at most block_size - 1 rows a request: a decode step's row, a
+/// prefill chunk's last partial block), which costs less there than handing it over. A filing
+/// thread (detail::filing_worker) updates the tier, in order: it copies full blocks in, retains,
+/// releases and evicts; a read of the tier waits for it first. A tail-pool slot whose block a
+/// filing task still reads is reused only after that task ran. A failed tier update fails the
+/// calls that update or read the tier after it.
 ///
 /// This file holds the calls; begin_step's and the step's halves are in row_stream_steps.hpp.
 #pragma once
@@ -201,7 +204,8 @@ class row_streams {
     return pool_memory_.get() + static_cast<std::size_t>(slot) * block_bytes_;
   }
   [[nodiscard]] std::int32_t take_slot(handle h, std::int64_t block_start);
-  void stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count, detail::filing_task& task);
+  void stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count);
+  void give_back_after_filing();
   void publish(detail::filing_task& task);
   void teardown(handle h, detail::filing_task& task);
   void release_all_keys(handle h, detail::filing_task& task);

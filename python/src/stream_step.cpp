@@ -68,7 +68,13 @@ struct dict_sink {
 std::string id_text(PyObject* id)
 {
   nb::object s = nb::steal(PyObject_Str(id));
-  return s.is_valid() ? nb::cast<std::string>(s) : std::string{"?"};
+  Py_ssize_t size  = 0;
+  const char* utf8 = s.is_valid() ? PyUnicode_AsUTF8AndSize(s.ptr(), &size) : nullptr;
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    return "?";
+  }
+  return {utf8, static_cast<std::size_t>(size)};
 }
 
 }  // namespace

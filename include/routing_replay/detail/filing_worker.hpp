@@ -71,6 +71,13 @@ class filing_worker {
   /// @brief Waits until every submitted task has run.
   void drain() { wait_until_completed(submitted_.load(std::memory_order_relaxed)); }
 
+  /// @brief Tasks submitted so far: the next submit() hands over task number submitted() + 1.
+  [[nodiscard]] std::uint64_t submitted() const noexcept { return submitted_.load(std::memory_order_relaxed); }
+  /// @brief Tasks run so far (tasks 1 .. completed() have run).
+  [[nodiscard]] std::uint64_t completed() const noexcept { return completed_.load(std::memory_order_acquire); }
+  /// @brief Waits until task number `task` (1-based) has run.
+  void wait_for(std::uint64_t task) { wait_until_completed(task); }
+
   /// @brief Whether every submitted task has run.
   [[nodiscard]] bool idle() const noexcept
   {

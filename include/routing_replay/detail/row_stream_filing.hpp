@@ -1,6 +1,6 @@
 /// @file
-/// What the row streams' filing thread does and owns: the tasks the engine's thread hands it (rows
-/// into request tails, block keys into requests' key lists, one update of the block tier), each
+/// What the row streams' filing thread does and owns: the tasks the engine's thread hands it (block
+/// keys into requests' key lists, one update of the block tier, which copies the blocks), each
 /// request's keys in block order, and the block tier itself. The engine's thread reads what it owns
 /// only while it is idle (after filing_worker::drain()).
 #pragma once
@@ -34,13 +34,6 @@ class step_rows_owner {
 
 namespace detail {
 
-/// @brief Bytes moved by filing: rows into a tail, or a block into the tail pool.
-struct row_copy {
-  const std::byte* from;  ///< source
-  std::byte* to;          ///< destination
-  std::size_t bytes;      ///< how many
-};
-
 /// @brief Keys a request gains: `count` hashes of `item_size` bytes at task.hashes[offset], each
 /// the key (generation, hash).
 struct key_append {
@@ -70,10 +63,9 @@ struct key_range {
   bool reversed            = false;  ///< request range: last key first
 };
 
-/// @brief One hand-over to the filing thread, run in this order: copies, key appends, the tier
-/// update (if `update`), then the requests whose keys are dropped.
+/// @brief One hand-over to the filing thread, run in this order: key appends, the tier update (if
+/// `update`), then the requests whose keys are dropped.
 struct filing_task {
-  std::vector<row_copy> copies;          ///< rows into tails, blocks into the pool
   std::vector<key_append> appends;       ///< keys requests gain
   std::vector<std::byte> hashes;         ///< the hashes appends and key ranges name
   bool update = false;                   ///< whether the task updates the tier
@@ -86,7 +78,6 @@ struct filing_task {
   /// @brief Empties the task, keeping capacity.
   void clear() noexcept
   {
-    copies.clear();
     appends.clear();
     hashes.clear();
     update = false;
@@ -99,7 +90,7 @@ struct filing_task {
   /// @brief Whether the task has anything to do.
   [[nodiscard]] bool empty() const noexcept
   {
-    return copies.empty() && appends.empty() && !update && dropped.empty() && rows == nullptr;
+    return appends.empty() && !update && dropped.empty() && rows == nullptr;
   }
 };
 
@@ -162,11 +153,10 @@ class filing_state {
   }
 
   /// @brief Runs a task (on the filing thread). A failed tier update is recorded, and every later
-  /// update is skipped (rows still move, keys still follow their requests).
+  /// update is skipped (keys still follow their requests).
   void run(filing_task& task) noexcept
   {
     try {
-      for (const row_copy& c : task.copies) { std::memcpy(c.to, c.from, c.bytes); }
       for (const key_append& a : task.appends) {
         request_keys& keys = keys_of(a.request);
         for (std::uint32_t i = 0; i < a.count; ++i) {

@@ -110,37 +110,57 @@ class stream_requests {
   std::size_t live_    = 0;
 };
 
-/// @brief Block slots for tails and for full blocks waiting for their keys: a fixed pool, taken
-/// lowest first and reused last-freed first, each slot remembering its block's first position and
-/// the next waiting block of its request.
+/// @brief Block slots for tails and for full blocks waiting for their keys: a fixed pool, each slot
+/// remembering its block's first position and the next waiting block of its request.
+///
+/// A slot whose block a filing task still has to read (stored from the slot) is free as far as
+/// counting goes, but is handed out again only once that task ran: take() waits for it if no other
+/// slot is free, so the pool is exhausted exactly when every slot holds a block.
 class block_slot_pool {
  public:
   /// @brief `slots` slots.
   explicit block_slot_pool(std::int32_t slots) : start_(static_cast<std::size_t>(slots)), next_(static_cast<std::size_t>(slots))
   {
+    free_.reserve(static_cast<std::size_t>(slots));
+    retiring_.reserve(static_cast<std::size_t>(slots));
     reset();
   }
 
   /// @brief Slots.
   [[nodiscard]] std::int32_t size() const noexcept { return static_cast<std::int32_t>(start_.size()); }
-  /// @brief Free slots.
-  [[nodiscard]] std::int32_t free() const noexcept { return static_cast<std::int32_t>(free_.size()); }
-  /// @brief A free slot, or none when the pool is exhausted.
-  [[nodiscard]] std::int32_t take() noexcept
+  /// @brief Slots holding no block (some may wait for a filing task before they are handed out).
+  [[nodiscard]] std::int32_t free() const noexcept { return static_cast<std::int32_t>(free_.size() + retiring_.size() - retired_); }
+
+  /// @brief A slot holding no block, or none when the pool is exhausted. `wait_for(task)` must
+  /// return once filing task `task` ran; `completed` is the last task that ran.
+  template <class WaitFor>
+  [[nodiscard]] std::int32_t take(std::uint64_t completed, WaitFor&& wait_for)
   {
-    if (free_.empty()) { return none; }
+    reclaim(completed);
+    if (free_.empty()) {
+      if (retired_ == retiring_.size()) { return none; }
+      const auto [slot, task] = retiring_[retired_];
+      wait_for(task);
+      reclaim(task);
+    }
     const std::int32_t s = free_.back();
     free_.pop_back();
     next_[static_cast<std::size_t>(s)] = none;
     return s;
   }
-  /// @brief Gives slot `s` back.
+  /// @brief Gives slot `s` back, to be handed out again at once.
   void give(std::int32_t s) { free_.push_back(s); }
-  /// @brief Every slot free.
+  /// @brief Gives slot `s` back once filing task `task` (which reads it) ran.
+  void give_after(std::int32_t s, std::uint64_t task) { retiring_.push_back({s, task}); }
+  /// @brief Every slot free (those a filing task still reads, once it ran).
   void reset()
   {
     free_.clear();
-    for (std::int32_t s = size() - 1; s >= 0; --s) { free_.push_back(s); }
+    std::vector<bool> held(start_.size(), false);
+    for (std::size_t i = retired_; i < retiring_.size(); ++i) { held[static_cast<std::size_t>(retiring_[i].slot)] = true; }
+    for (std::int32_t s = size() - 1; s >= 0; --s) {
+      if (!held[static_cast<std::size_t>(s)]) { free_.push_back(s); }
+    }
   }
   /// @brief First position of the block in slot `s`.
   [[nodiscard]] std::int64_t& start(std::int32_t s) noexcept { return start_[static_cast<std::size_t>(s)]; }
@@ -148,9 +168,26 @@ class block_slot_pool {
   [[nodiscard]] std::int32_t& next(std::int32_t s) noexcept { return next_[static_cast<std::size_t>(s)]; }
 
  private:
+  struct retiring_slot {
+    std::int32_t slot;
+    std::uint64_t task;
+  };
+
+  // Slots whose filing task ran become free (tasks run in order: the queue is sorted by task).
+  void reclaim(std::uint64_t completed)
+  {
+    while (retired_ < retiring_.size() && retiring_[retired_].task <= completed) { free_.push_back(retiring_[retired_++].slot); }
+    if (retired_ == retiring_.size() || retired_ > retiring_.capacity() / 2) {  // keeps within its capacity
+      retiring_.erase(retiring_.begin(), retiring_.begin() + static_cast<std::ptrdiff_t>(retired_));
+      retired_ = 0;
+    }
+  }
+
   std::vector<std::int64_t> start_;
   std::vector<std::int32_t> next_;
   std::vector<std::int32_t> free_;  // a stack
+  std::vector<retiring_slot> retiring_;  // [retired_, end): given back, read by a filing task not yet run
+  std::size_t retired_ = 0;
 };
 
 }  // namespace routing_replay::detail

@@ -4,6 +4,7 @@
 /// are known, and the read-back of rows from the tier. Included by row_streams.hpp.
 #pragma once
 
+#include <routing_replay/detail/streaming_store.hpp>
 #include <routing_replay/row_streams.hpp>
 
 #include <algorithm>
@@ -172,10 +173,10 @@ inline void row_streams::close_step()
   }
   const bool failed = task.update && filing_->failed();
   if (!failed) {
-    for (const std::int32_t s : freed_slots_) { pool_.give(s); }
     for (const handle h : finished_now_) { teardown(h, task); }
   }
   submit(task);
+  if (!failed) { give_back_after_filing(); }
   check_filing_if(failed);
 }
 
@@ -270,7 +271,7 @@ void row_streams::commit(int step, const std::byte* rows, const std::int64_t* nu
         }
         const std::int64_t emit_start = r.emit_cursor;
         const std::size_t first       = completed_.size();
-        stage(h, capture_start, own_rows, count, task);
+        stage(h, capture_start, own_rows, count);
         const std::int64_t token_end = capture_start + count;
         r.capture_cursor             = token_end;
         r.captured                   = true;
@@ -294,13 +295,10 @@ void row_streams::commit(int step, const std::byte* rows, const std::int64_t* nu
       throw;
     }
     const bool failed = task.update && filing_->failed();
-    if (!failed) {
-      for (const std::int32_t slot : freed_slots_) { pool_.give(slot); }
-    }
     attach_rows(task, owner);
     submit(task);
+    if (!failed) { give_back_after_filing(); }
     check_filing_if(failed);
-    if (!reads_.empty()) { worker_.drain(); }
     for (const pending_read& m : reads_) { read_back(s.handles[m.index], m, sink); }
   } catch (...) {
     retire(step);
@@ -339,7 +337,7 @@ inline void row_streams::retire(int step)
 
 inline std::int32_t row_streams::take_slot(handle h, std::int64_t block_start)
 {
-  const std::int32_t slot = pool_.take();
+  const std::int32_t slot = pool_.take(worker_.completed(), [&](std::uint64_t task) { worker_.wait_for(task); });
   if (slot == detail::none) {
     throw error{errc::invalid_state, name(h) + ": block " + detail::range_text(block_start, block_start + config_.block_size) +
                                        " needs a tail-pool slot, but all " + std::to_string(pool_.size()) +
@@ -348,8 +346,7 @@ inline std::int32_t row_streams::take_slot(handle h, std::int64_t block_start)
   return slot;
 }
 
-inline void row_streams::stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count,
-                               detail::filing_task& task)
+inline void row_streams::stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count)
 {
   if (token_start < 0) {
     throw stream_input_error{name(h) + ": token start " + std::to_string(token_start) + " is negative"};
@@ -382,9 +379,9 @@ inline void row_streams::stage(handle h, std::int64_t token_start, const std::by
                                std::to_string(r.tail_start + r.tail_length) + ", got " + std::to_string(position)};
     }
     const std::int64_t n = std::min(bs - local, count - offset);
-    task.copies.push_back({from, pool_rows(r.tail_slot) + static_cast<std::size_t>(local) * row_bytes_,
-                           static_cast<std::size_t>(n) * row_bytes_});
-    rows_used_ = true;
+    // around the cache: the tail is read when its block is full, by the filing thread
+    detail::copy_streaming(pool_rows(r.tail_slot) + static_cast<std::size_t>(local) * row_bytes_, from,
+                           static_cast<std::size_t>(n) * row_bytes_);
     r.tail_length += static_cast<std::int32_t>(n);
     offset += n;
     if (r.tail_length == bs) {
@@ -439,9 +436,8 @@ inline void row_streams::publish(detail::filing_task& task)
       }
       std::int32_t slot = c.slot;
       if (slot == detail::none) {  // a block of the step's rows waits in the pool for its key
-        slot = pool_.take();
-        task.copies.push_back({c.rows, pool_rows(slot), block_bytes_});
-        rows_used_ = true;
+        slot = take_slot(b.request, c.start);
+        std::memcpy(pool_rows(slot), c.rows, block_bytes_);
       }
       keep(slot, c.start);
     }
@@ -481,7 +477,15 @@ inline void row_streams::attach_rows(detail::filing_task& task, step_rows_owner*
 
 inline void row_streams::submit(detail::filing_task& task)
 {
+  detail::streaming_stores_done();  // tails written around the cache, before the filing thread may read them
   if (!task.empty()) { worker_.submit(); }
+}
+
+inline void row_streams::give_back_after_filing()
+{
+  // the task just submitted stores these slots' blocks: they are reused once it ran
+  for (const std::int32_t slot : freed_slots_) { pool_.give_after(slot, worker_.submitted()); }
+  freed_slots_.clear();
 }
 
 inline void row_streams::check_filing_if(bool failed) const
@@ -502,6 +506,7 @@ void row_streams::read_back(handle h, const pending_read& m, Sink& sink)
                                   : std::string{};
   };
   if (m.start < stored_end) {
+    worker_.drain();  // the tier as every earlier task left it
     check_filing_if(filing_->failed());
     const std::int64_t first = m.start / bs, last = stored_end / bs;
     const detail::request_keys& keys = filing_->keys_of(h);
