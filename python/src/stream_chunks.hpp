@@ -24,6 +24,7 @@ class chunk_pool;
 /// @brief One chunk: its bytes and its holders.
 class row_chunk final : public step_rows_owner {
  public:
+  /// @brief `bytes` at `data`, of size class `size_class`, held by nobody yet.
   row_chunk(std::byte* data, std::size_t bytes, std::int32_t size_class) noexcept
     : data_(data), bytes_(bytes), size_class_(size_class)
   {

@@ -141,7 +141,9 @@ class stream_device_impl final : public stream_device_base {
   void wait(std::int32_t slot) override { snapshots_.wait(slot); }
   [[nodiscard]] detail::step_status status(std::int32_t slot) const override { return snapshots_.status(slot); }
 
+  /// @brief Backend::allocate_pinned, its pages touched.
   [[nodiscard]] void* (*pinned_allocator() const noexcept)(std::size_t) override { return &allocate; }
+  /// @brief Backend::free_pinned.
   [[nodiscard]] void (*pinned_deallocator() const noexcept)(void*, std::size_t) override { return &Backend::free_pinned; }
 
  private:
