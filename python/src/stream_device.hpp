@@ -41,8 +41,9 @@ class stream_device_base {
                        std::int64_t destination_row, std::uintptr_t stream) = 0;
   /// @brief step_snapshots::open_step().
   virtual void open_step(std::uintptr_t stream) = 0;
-  /// @brief step_snapshots::harvest(): the ring slot.
-  virtual std::int32_t harvest(std::int64_t rows, std::uintptr_t stream) = 0;
+  /// @brief step_snapshots::harvest(): the ring slot; `host_rows` is where copy_to_host() will put
+  /// the rows (the host backend's kernel writes them there at once).
+  virtual std::int32_t harvest(std::int64_t rows, void* host_rows, std::uintptr_t stream) = 0;
   /// @brief step_snapshots::copy_to_host() into `host` (pinned memory of allocate_pinned()).
   virtual void copy_to_host(std::int32_t slot, void* host, std::uintptr_t stream) = 0;
   /// @brief step_snapshots::wait() (call without the GIL).
@@ -122,12 +123,12 @@ class stream_device_impl final : public stream_device_base {
     snapshots_.open_step(s);
   }
 
-  std::int32_t harvest(std::int64_t rows, std::uintptr_t stream) override
+  std::int32_t harvest(std::int64_t rows, void* host_rows, std::uintptr_t stream) override
   {
     const auto s = stream_of(stream, compute_);
     std::optional<host_inline_scope> inline_run;
     if constexpr (host) { hold_idle(inline_run, s); }
-    return snapshots_.harvest(rows, s);
+    return snapshots_.harvest(rows, s, -1, static_cast<Out*>(host_rows));
   }
 
   void copy_to_host(std::int32_t slot, void* out, std::uintptr_t stream) override

@@ -140,9 +140,14 @@ nb::object vllm_streams::prepare_output(nb::handle self, nb::handle input_batch)
   }
   const int step = streams_->prepare(handles_, starts_.data(), query_start_loc_.data());
   std::int32_t slot = -1;
+  row_chunk* chunk  = nullptr;  // where the rows land: taken now, so a host-backend harvest writes it directly
   try {
-    slot = device_->harvest(query_start_loc_[n], stream());
+    const std::size_t bytes = static_cast<std::size_t>(query_start_loc_[n]) * static_cast<std::size_t>(row_elems_) *
+                              static_cast<std::size_t>(out_bytes_);
+    if (bytes > 0) { chunk = chunks_->take(bytes); }
+    slot = device_->harvest(query_start_loc_[n], chunk != nullptr ? chunk->data() : nullptr, stream());
   } catch (...) {
+    if (chunk != nullptr) { chunk->release_rows(); }
     streams_->retire(step);
     forget_torn_down();
     throw;
@@ -156,6 +161,7 @@ nb::object vllm_streams::prepare_output(nb::handle self, nb::handle input_batch)
   p->step         = step;
   p->slot         = slot;
   p->rows         = query_start_loc_[n];
+  p->chunk        = chunk;
   p->request_ids  = std::move(ids);
   return obj;
 }
@@ -165,10 +171,6 @@ void vllm_streams::enqueue_cpu_copy(pending_output& p, nb::handle num_sampled, n
   if (p.processed) { throw nb::value_error("enqueue_cpu_copy after process_output"); }
   p.num_sampled  = nb::borrow(num_sampled);
   p.num_rejected = nb::borrow(num_rejected);
-  release_chunk(p);  // a second copy replaces the first
-  const std::size_t bytes = static_cast<std::size_t>(p.rows) * static_cast<std::size_t>(row_elems_) *
-                            static_cast<std::size_t>(out_bytes_);
-  if (bytes > 0) { p.chunk = chunks_->take(bytes); }
   device_->copy_to_host(p.slot, p.chunk != nullptr ? p.chunk->data() : nullptr, stream());
   p.copied = true;
 }

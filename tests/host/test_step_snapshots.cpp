@@ -70,6 +70,20 @@ TEST_CASE("step snapshots: a step's rows come back in the output type, and D is 
   CHECK(f.snapshots.status(slot).unwritten.layer == 2);
 }
 
+TEST_CASE("step snapshots: on the host backend a harvest writes the rows where the copy would have")
+{
+  fixture<std::uint8_t, std::uint8_t> f{2, 2, 100, 8};
+  f.snapshots.open_step(f.stream.ref());
+  f.capture_all(3, 5);
+  std::vector<std::uint8_t> host(3 * 2 * 2, 0);
+  const std::int32_t slot = f.snapshots.harvest(3, f.stream.ref(), -1, host.data());
+  f.snapshots.copy_to_host(slot, host.data(), f.copy.ref());
+  f.snapshots.wait(slot);
+  CHECK(f.snapshots.status(slot).clean());
+  CHECK(host[0] == f.id(0, 0, 0, 5));
+  CHECK(host[11] == f.id(2, 1, 1, 5));
+}
+
 TEST_CASE("step snapshots: a layer never captured reads as 0; an invalid id is reported with its place")
 {
   fixture<std::uint8_t, std::uint8_t> f{3, 2, 100, 8};

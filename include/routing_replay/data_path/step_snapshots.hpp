@@ -99,12 +99,18 @@ class step_snapshots {
     buffer_.begin_step(0, compute);
   }
 
+  /// @brief Whether the kernels of this backend write host memory as they write device memory (the
+  /// host backend): harvest() can then put a step's rows where copy_to_host() would have copied them.
+  static constexpr bool kernels_write_host = std::is_same_v<Backend, host_backend>;
+
   /// @brief The step's forward is enqueued on `compute`: one kernel checks rows [0, num_rows),
   /// snapshots them into the next ring slot and resets D. Waits (on the device) for that slot's
-  /// previous copy. `padded_rows` as step_plan::set_padded_rows() (-1: unknown).
+  /// previous copy. `padded_rows` as step_plan::set_padded_rows() (-1: unknown). `host_rows`, where
+  /// copy_to_host() will put the rows: with kernels_write_host the kernel writes them there at once
+  /// and copy_to_host() then moves only the status (one pass over the rows fewer).
   /// @return the ring slot
   /// @throws error too_many_tokens
-  std::int32_t harvest(std::int64_t num_rows, stream_ref compute, std::int64_t padded_rows = -1)
+  std::int32_t harvest(std::int64_t num_rows, stream_ref compute, std::int64_t padded_rows = -1, Out* host_rows = nullptr)
   {
     if (num_rows < 0 || num_rows > max_rows()) {
       throw error{errc::too_many_tokens, "harvest: " + std::to_string(num_rows) + " rows, outside [0, max_tokens_per_step = " +
@@ -116,23 +122,29 @@ class step_snapshots {
     if (record.status_dirty) {  // a harvest whose copy never came left its reports
       Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, compute);
     }
+    const bool direct = kernels_write_host && host_rows != nullptr;
+    Out* into         = direct ? host_rows : snapshot(slot);
     buffer_.end_step_with(num_rows, padded_rows, [&](auto d, detail::step_status* reports, std::int64_t reset_rows) {
-      launch(make_kernel(d, snapshot(slot), status_device(slot), reports, num_rows, reset_rows), compute);
+      launch(make_kernel(d, into, status_device(slot), reports, num_rows, reset_rows), compute);
     });
     Backend::record(harvested_[static_cast<std::size_t>(slot)], compute);
     record.status_dirty = true;
     record.rows         = num_rows;
+    record.direct       = direct;
     next_slot_          = (slot + 1) % depth_;
     return slot;
   }
 
   /// @brief On `copy`: the slot's rows (as many as harvested) into `host` (pinned for the CUDA
-  /// backend) and its status into host memory, then an event. Waits (on the device) for the harvest.
+  /// backend; the harvest's `host_rows`, where it wrote them already) and its status into host
+  /// memory, then an event. Waits (on the device) for the harvest.
   void copy_to_host(std::int32_t slot, Out* host, stream_ref copy)
   {
     slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
     Backend::wait(copy, harvested_[static_cast<std::size_t>(slot)]);
-    Backend::copy_async(host, snapshot(slot), static_cast<std::size_t>(record.rows * row_elems_) * sizeof(Out), copy);
+    if (!record.direct) {
+      Backend::copy_async(host, snapshot(slot), static_cast<std::size_t>(record.rows * row_elems_) * sizeof(Out), copy);
+    }
     Backend::copy_async(Backend::data(host_statuses_) + slot, status_device(slot), sizeof(detail::step_status), copy);
     Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, copy);
     Backend::record(copied_[static_cast<std::size_t>(slot)], copy);
@@ -156,6 +168,7 @@ class step_snapshots {
   struct slot_record {
     bool copy_recorded = false;  // copied_ was recorded at least once
     bool status_dirty  = false;  // the device status holds a harvest's reports not yet copied and zeroed
+    bool direct        = false;  // the harvest wrote the rows to host memory itself
     std::int64_t rows  = 0;
   };
 
