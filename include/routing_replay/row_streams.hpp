@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <new>
 #include <span>
 #include <string>
 #include <vector>
@@ -221,7 +222,10 @@ class row_streams {
   describe_fn describe_;
   detail::stream_requests requests_;
   detail::block_slot_pool pool_;
-  std::unique_ptr<std::byte[]> pool_memory_;
+  struct aligned_free {
+    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
+  };
+  std::unique_ptr<std::byte[], aligned_free> pool_memory_;  // cache-line aligned: tails are written around the cache
   std::unique_ptr<detail::filing_state> filing_;
   detail::filing_worker<detail::filing_task> worker_;  // after filing_: stops before it goes
   std::uint64_t generation_ = 0;

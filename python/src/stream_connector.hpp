@@ -89,9 +89,27 @@ class vllm_streams {
   void release_chunk(pending_output& p) noexcept;
 
  private:
+  /// Request ids seen at each position of the last step's dict or list, with their handles: a
+  /// batch that keeps its ids' objects and order (a persistent batch) maps them by a pointer
+  /// compare. Each id is held (a strong reference), so its address cannot name another object.
+  struct position_cache {
+    std::vector<PyObject*> ids;
+    std::vector<row_streams::handle> handles;
+    std::vector<std::uint32_t> generations;
+    position_cache() = default;
+    position_cache(const position_cache&)            = delete;
+    position_cache& operator=(const position_cache&) = delete;
+    ~position_cache()
+    {
+      for (PyObject*& id : ids) { Py_CLEAR(id); }
+    }
+  };
+
   std::uintptr_t stream();
   [[nodiscard]] std::string describe(row_streams::handle h) const;
   row_streams::handle lookup(PyObject* id) const;
+  row_streams::handle lookup_at(position_cache& cache, std::size_t at, PyObject* id);
+  void cache_at(position_cache& cache, std::size_t at, PyObject* id, row_streams::handle h);
   void remember(PyObject* id, row_streams::handle h);
   void forget_torn_down();
   [[noreturn]] void raise_step_problem(const pending_output& p, const detail::step_status& status) const;
@@ -111,6 +129,8 @@ class vllm_streams {
   std::vector<std::vector<std::int64_t>> step_starts_;  // per row_streams step: its token starts and rows (errors)
   std::vector<std::vector<std::int64_t>> step_offsets_;
   bool has_metadata_ = false;  // the last begin_step had metadata (vLLM: _step_metadata is not None)
+  position_cache scheduled_ids_;  // metadata.requests, by position
+  position_cache batch_ids_;      // input_batch.req_ids, by position
 };
 
 /// @brief Reads the first `limit` entries (or fewer) of a 1-D integer column (a numpy array of any

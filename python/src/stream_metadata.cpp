@@ -98,6 +98,30 @@ row_streams::handle vllm_streams::lookup(PyObject* id) const
   return static_cast<row_streams::handle>(PyLong_AsLong(value));
 }
 
+row_streams::handle vllm_streams::lookup_at(position_cache& cache, std::size_t at, PyObject* id)
+{
+  if (at < cache.ids.size() && cache.ids[at] == id) {
+    const row_streams::handle h = cache.handles[at];
+    if (streams_->live(h) && streams_->request(h).generation == cache.generations[at]) { return h; }
+  }
+  const row_streams::handle h = lookup(id);
+  if (h != row_streams::new_request) { cache_at(cache, at, id, h); }
+  return h;
+}
+
+void vllm_streams::cache_at(position_cache& cache, std::size_t at, PyObject* id, row_streams::handle h)
+{
+  if (at >= cache.ids.size()) {
+    cache.ids.resize(at + 1, nullptr);
+    cache.handles.resize(at + 1, row_streams::new_request);
+    cache.generations.resize(at + 1, 0);
+  }
+  Py_INCREF(id);
+  Py_XSETREF(cache.ids[at], id);
+  cache.handles[at]     = h;
+  cache.generations[at] = streams_->request(h).generation;
+}
+
 void vllm_streams::remember(PyObject* id, row_streams::handle h)
 {
   nb::object value = nb::steal(PyLong_FromLong(h));
@@ -159,12 +183,15 @@ void vllm_streams::begin_step(nb::handle metadata)
   try {
     Py_ssize_t at = 0;
     PyObject *id = nullptr, *value = nullptr;
-    while (PyDict_Next(requests.ptr(), &at, &id, &value) != 0) {
+    for (std::size_t position = 0; PyDict_Next(requests.ptr(), &at, &id, &value) != 0; ++position) {
       const long long emit_start = PyLong_AsLongLong(value);
       if (emit_start == -1 && PyErr_Occurred() != nullptr) { throw nb::python_error(); }
-      const row_streams::handle known = lookup(id);
+      const row_streams::handle known = lookup_at(scheduled_ids_, position, id);
       const row_streams::handle h     = streams_->schedule(known, emit_start);
-      if (known == row_streams::new_request) { remember(id, h); }
+      if (known == row_streams::new_request) {
+        remember(id, h);
+        cache_at(scheduled_ids_, position, id, h);
+      }
     }
     at = 0;
     while (PyDict_Next(block.ptr(), &at, &id, &value) != 0) {

@@ -133,7 +133,7 @@ nb::object vllm_streams::prepare_output(nb::handle self, nb::handle input_batch)
   handles_.resize(n);
   for (std::size_t i = 0; i < n; ++i) {
     PyObject* id = PyList_GET_ITEM(ids.ptr(), static_cast<Py_ssize_t>(i));
-    handles_[i]  = lookup(id);
+    handles_[i]  = lookup_at(batch_ids_, i, id);
     if (handles_[i] == row_streams::new_request) {
       throw nb::value_error(("request " + id_text(id) + " is in the batch, but no step's metadata scheduled it").c_str());
     }

@@ -58,11 +58,11 @@ inline row_streams::row_streams(const row_streams_config& config, describe_fn de
     block_bytes_(row_bytes_ * static_cast<std::size_t>(config_.block_size)),
     describe_(std::move(describe)),
     pool_(detail::pool_slots_for(config_)),
-    // value-initialized: every page of the pool is touched now, not in a step
-    pool_memory_(std::make_unique<std::byte[]>(static_cast<std::size_t>(pool_.size()) * block_bytes_)),
+    pool_memory_(new (std::align_val_t{64}) std::byte[static_cast<std::size_t>(pool_.size()) * block_bytes_]()),
     filing_(std::make_unique<detail::filing_state>(block_bytes_, config_.max_bytes, config_.tier_options)),
     worker_(config_.filing_depth, [filing = filing_.get()](detail::filing_task& task) { filing->run(task); })
 {
+  // value-initialized above: every page of the pool is touched now, not in a step
   steps_.resize(static_cast<std::size_t>(config_.max_concurrent_batches));
   completed_.reserve(static_cast<std::size_t>(pool_.size()));
   freed_slots_.reserve(static_cast<std::size_t>(pool_.size()));
