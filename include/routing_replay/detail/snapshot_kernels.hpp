@@ -108,12 +108,12 @@ struct harvest_token_rows {
   {
     absorb_capture_reports();
     const std::int64_t row = static_cast<std::int64_t>(layers) * top_k;
-    if constexpr (std::is_same_v<Index, Out>) {
-      std::memcpy(snapshot, buffer, static_cast<std::size_t>(check_elems) * sizeof(Index));
-    } else {
-      narrow(buffer, snapshot, check_elems);
-    }
-    for (std::int64_t first = 0; first < check_elems; first += row) {
+    for (std::int64_t first = 0; first < check_elems; first += row) {  // a row at a time: the scan reads it from L1
+      if constexpr (std::is_same_v<Index, Out>) {
+        std::memcpy(snapshot + first, buffer + first, static_cast<std::size_t>(row) * sizeof(Index));
+      } else {
+        narrow(buffer + first, snapshot + first, row);
+      }
       if (any_outside(buffer + first, row)) {
         for (std::int64_t e = first; e < first + row; ++e) { snapshot[e] = checked(buffer[e], e); }
       }
