@@ -191,3 +191,34 @@ def test_torch_cpu_tensors_are_captured():
     pending.enqueue_cpu_copy(np.array([1]), np.array([0]))
     check(pending.process_output()["a"], 2, 0, 3)
     assert e.conn.capturer.output_dtype == torch.uint8
+
+
+def test_cuda_connector_hands_out_what_the_host_backend_does():
+    """The same trace on the CUDA backend (router outputs as torch tensors on the GPU) and on the
+    host backend: every output equal, errors alike."""
+    torch = pytest.importorskip("torch")
+    if not routing_replay.cuda_available() or not torch.cuda.is_available():
+        pytest.skip("no CUDA device (or no CUDA backend module)")
+    results = {}
+    for device in ("cpu", "cuda"):
+        conn = make_worker_connector(L, 100, K, 64, 8, block_size=BS, device=device)
+        outs = []
+        trace = [({"a": 0, "b": 0}, {"a": hashes(1, 0, 2), "b": hashes(2, 0, 1)}, [("a", 1, 0, 9, 0, 1), ("b", 2, 0, 5, 0, 0)]),
+                 ({"a": 0, "b": 0}, {}, [("a", 1, 9, 3, 1, 1), ("b", 2, 5, 3, 0, 1)]),
+                 ({"c": 0}, {"c": hashes(1, 0, 2)}, [("c", 1, 8, 2, 0, 1)])]
+        for requests, block_hashes, batch in trace:
+            conn.begin_step(AuxOutputConnectorMetadata(0, requests, block_hashes, ()))
+            rows = np.concatenate([ids_of(c, s, t, 100) for _, c, s, t, _, _ in batch])
+            for layer in range(L):
+                ids = np.ascontiguousarray(rows[:, layer, :])
+                conn.capturer.capture(layer, torch.from_numpy(ids).cuda() if device == "cuda" else ids)
+            qsl = np.cumsum([0] + [t for _, _, _, t, _, _ in batch]).astype(np.int32)
+            pending = conn.prepare_output(InputBatch([b[0] for b in batch], qsl, np.array([b[2] for b in batch], np.int32)))
+            pending.enqueue_cpu_copy(np.array([b[5] for b in batch]), np.array([b[4] for b in batch]))
+            outs.append({k: (v.token_start, v.rows.copy()) for k, v in pending.process_output().items()})
+        results[device] = outs
+    for host, cuda in zip(results["cpu"], results["cuda"]):
+        assert host.keys() == cuda.keys()
+        for k in host:
+            assert host[k][0] == cuda[k][0]
+            np.testing.assert_array_equal(host[k][1], cuda[k][1])
