@@ -23,9 +23,12 @@ echo "== build: libFuzzer harness ($("$cxx" --version | head -n 1))"
 cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g" \
   -DROUTING_REPLAY_BUILD_FUZZER=ON -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build/fuzz -j "$(build_jobs)" --target fuzz_replay
+cmake --build build/fuzz -j "$(build_jobs)" --target fuzz_replay fuzz_block_tier
 fuzzer=build/fuzz/tests/fuzz_replay
-mkdir -p build/fuzz/corpus build/fuzz/findings
+mkdir -p build/fuzz/corpus build/fuzz/findings build/fuzz/corpus_block_tier
+# the block tier's harness (tests/fuzz/fuzz_block_tier.cpp) gets a sixth of the time, the replay the rest
+tier_seconds=$(( seconds / 6 > 5 ? seconds / 6 : 5 ))
+seconds=$(( seconds - tier_seconds > 5 ? seconds - tier_seconds : 5 ))
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0
 export UBSAN_OPTIONS=print_stacktrace=1
@@ -38,6 +41,20 @@ status=0
 "$fuzzer" -max_total_time="$seconds" -len_control=0 -max_len=1024 -timeout=30 -rss_limit_mb=4096 \
   -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ "$@" build/fuzz/corpus tests/fuzz/corpus >"$log" 2>&1 ||
   status=$?
+if [ "$status" -eq 0 ]; then
+  echo "== block tier: fuzzing for ${tier_seconds}s"
+  tier_log=build/fuzz/last_run_block_tier.log
+  build/fuzz/tests/fuzz_block_tier -max_total_time="$tier_seconds" -len_control=0 -max_len=512 -timeout=30 \
+    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ \
+    build/fuzz/corpus_block_tier tests/fuzz/corpus_block_tier >"$tier_log" 2>&1 || status=$?
+  tier_execs=$(grep -E '^stat::number_of_executed_units' "$tier_log" | awk '{print $2}' || true)
+  echo "fuzz (block tier): ${tier_execs:-?} executions"
+  if [ "$status" -ne 0 ]; then
+    grep -E 'contract violation|ERROR: |runtime error|SUMMARY' "$tier_log" | head -n 20 || true
+    echo "FINDING: the input is in build/fuzz/findings/; reproduce with: build/fuzz/tests/fuzz_block_tier build/fuzz/findings/<file>"
+    exit "$status"
+  fi
+fi
 # figures: executions, rate, coverage (edges, "cov") and features ("ft") at the end
 execs=$(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}' || true)
 rate=$(grep -E '^stat::average_exec_per_sec' "$log" | awk '{print $2}' || true)

@@ -6,6 +6,7 @@
 #include "instances.hpp"
 #include "replay_base.hpp"
 #include "slot_rows_bindings.hpp"
+#include "stream_bindings.hpp"
 
 #include <routing_replay/errors.hpp>
 #include <routing_replay/host_backend.hpp>
@@ -944,4 +945,5 @@ NB_MODULE(_core, m)
   m.def("base64_encode", [](nb::bytes b) { return rr::base64_encode(std::string_view{b.c_str(), b.size()}); },
         "data"_a, "Standard base64 (RFC 4648, padded).");
   rp::bind_slot_rows(m);
+  rp::register_vllm_streams(m);  // routing_replay.vllm
 }

@@ -4,6 +4,7 @@
 #include "cuda_instances.hpp"
 #include "handle.hpp"
 #include "slot_rows_bindings.hpp"
+#include "stream_bindings.hpp"
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -68,4 +69,5 @@ NB_MODULE(_core_cuda, m)
         "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a = nb::none(), "staging"_a = false,
         "Creates a CUDA-backend replay on the current device (internal: use routing_replay.Replay).");
   rp::bind_cuda_slot_rows(m);
+  rp::register_cuda_stream_device(m);  // routing_replay.vllm
 }

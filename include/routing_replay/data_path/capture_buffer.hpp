@@ -48,6 +48,9 @@ struct capture_options {
   /// an unwritten cell if its row belongs to the step: for engines whose router marks the padding
   /// rows of a CUDA graph with -1 (SGLang), rows the capture cannot tell from the step's own.
   bool report_invalid_ids = true;
+  /// @brief Row of D the first captured row goes to: micro-batches of one step (dual-batch
+  /// overlap) capture their tokens at their offset in the step.
+  std::int64_t destination_row_offset = 0;
 };
 
 /// @brief D, `N_max * L * K` ids of `Index` in `Layout` order, the sentinel wherever no capture
@@ -105,18 +108,30 @@ class capture_buffer {
     check_rows_argument(num_tokens, "capture");
     const std::int64_t stride = options.source_row_stride != 0 ? options.source_row_stride : source_stride_;
     const bool bad_map = options.physical_to_logical != nullptr && options.num_physical_experts <= 0;
-    if (stride < top_k_ || options.source_row_offset < 0 || (topk_ids == nullptr && num_tokens > 0) || bad_map) {
+    const std::int64_t to = options.destination_row_offset;
+    if (stride < top_k_ || options.source_row_offset < 0 || (topk_ids == nullptr && num_tokens > 0) || bad_map ||
+        to < 0 || to + num_tokens > max_rows_) {
       throw error{errc::invalid_argument,
                   "capture: layer " + std::to_string(model_layer) + " got source_row_stride " +
                     std::to_string(stride) + " (needs >= K = " + std::to_string(top_k_) +
                     "), source_row_offset " + std::to_string(options.source_row_offset) +
                     (topk_ids == nullptr ? ", a null id pointer" : "") +
-                    (bad_map ? ", a physical map without entries" : "")};
+                    (bad_map ? ", a physical map without entries" : "") +
+                    (to < 0 || to + num_tokens > max_rows_
+                       ? ", rows [" + std::to_string(to) + ", " + std::to_string(to + num_tokens) +
+                           ") of D, outside [0, max_tokens_per_step = " + std::to_string(max_rows_) + ")"
+                       : std::string{})};
     }
     if (num_tokens == 0) { return; }
-    note_rows_written(num_tokens);
+    note_rows_written(to + num_tokens);
     const auto items = static_cast<std::int32_t>(num_tokens * top_k_);
-    const detail::capture_layer<Index, Layout, Source> kernel{whole(),
+    // rows from `to` on: the same mapping over a base moved to row `to` (its strides do not depend
+    // on where the rows start)
+    const buffer_mdspan<Index, Layout> target =
+      to == 0 ? whole()
+              : buffer_mdspan<Index, Layout>{&whole()(0, static_cast<std::int32_t>(to), 0), layers_.num_layers(),
+                                            static_cast<std::int32_t>(max_rows_), top_k_};
+    const detail::capture_layer<Index, Layout, Source> kernel{target,
                                                               Backend::data(capture_status_),
                                                               topk_ids + options.source_row_offset * stride,
                                                               stride,
@@ -213,6 +228,29 @@ class capture_buffer {
       throw;
     }
   }
+
+  /// @brief As end_step(), with the caller's end-of-step kernel: `launch(buffer, capture_status,
+  /// reset_rows)` must enqueue on the compute stream one kernel that reads rows [0, num_rows) of `buffer`,
+  /// moves what `capture_status` (device memory) holds into its own report and zeroes it, and resets
+  /// rows [0, reset_rows) of every layer to the sentinel. `reset_rows` covers every row a capture
+  /// path may have written, as for end_step().
+  template <class Launch>
+  void end_step_with(std::int64_t num_rows, std::int64_t padded_rows, Launch&& launch)
+  {
+    in_step_                    = false;
+    const std::int64_t replayed = padded_rows >= 0 ? padded_rows : rows_outside_steps_;
+    const std::int64_t reset_rows = std::max({num_rows, rows_this_step_, replayed, std::int64_t{0}});
+    try {
+      launch(whole(), Backend::data(capture_status_), reset_rows);
+    } catch (...) {
+      rows_outside_steps_  = std::max(rows_outside_steps_, reset_rows);  // as in end_step()
+      dirty_outside_steps_ = true;
+      throw;
+    }
+  }
+
+  /// @brief Whether a step is open (begin_step() without end_step() since).
+  [[nodiscard]] bool in_step() const noexcept { return in_step_; }
 
   /// @brief Resets every row capture paths may have written (N_max at least) and what they
   /// reported, on `stream`; for a forward replayed outside any step.

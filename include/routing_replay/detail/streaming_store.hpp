@@ -41,6 +41,23 @@ template <class T>
 #endif
 }
 
+/// @brief Copies `bytes` from `src` to `dst` around the cache where the processor can (x86-64, both
+/// 16-byte aligned, a whole number of 16-byte words: MOVNTDQ), else with memcpy. For rows written
+/// now and read later by another thread (a request's tail, stored when its block is full): a plain
+/// store reads each destination line first. Follow with streaming_stores_done().
+inline void copy_streaming(std::byte* dst, const std::byte* src, std::size_t bytes) noexcept
+{
+#if ROUTING_REPLAY_STREAMING_STORES
+  if (((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(src) | bytes) & 15u) == 0) {
+    auto* out      = reinterpret_cast<__m128i*>(dst);
+    const auto* in = reinterpret_cast<const __m128i*>(src);
+    for (std::size_t w = 0; w < bytes / 16; ++w) { _mm_stream_si128(out + w, _mm_load_si128(in + w)); }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
 /// @brief Orders the non-temporal stores made so far before every later store (x86-64: SFENCE),
 /// so that a thread that synchronizes with this one afterwards sees them. The writing thread
 /// sees its own stores in any case.
