@@ -74,12 +74,26 @@ class Impl:
         return SimpleNamespace(req_ids=list(fw.req_ids), query_start_loc_np=fw.query_start_loc.copy(),
                                num_computed_tokens_np=fw.num_computed_tokens.copy())
 
+    copy_stream = None  # CUDA: the output copy stream (vLLM's model runner has one)
+
     def enqueue(self, pending, fw: Forward):
-        pending.enqueue_cpu_copy(num_sampled=fw.num_sampled.copy(), num_rejected=fw.num_rejected.copy())
-        return None
+        """enqueue_cpu_copy as vLLM's AsyncOutput calls it; on CUDA on the copy stream after the
+        main stream's work, with an event recorded after it (returned, for ``wait``)."""
+        if self.copy_stream is None:
+            pending.enqueue_cpu_copy(num_sampled=fw.num_sampled.copy(), num_rejected=fw.num_rejected.copy())
+            return None
+        import torch
+
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            pending.enqueue_cpu_copy(num_sampled=fw.num_sampled.copy(), num_rejected=fw.num_rejected.copy())
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.copy_stream)
+        return event
 
     def wait(self, token) -> None:
-        pass
+        if token is not None:
+            token.synchronize()
 
 
 def _metadata_with(module, meta: Meta):
@@ -101,6 +115,8 @@ class Peer(Impl):
 
         self.torch = torch
         self.store_error = self.module.BlockObjectStoreError
+        if self.module.current_platform.device_type == "cuda":  # vLLM's buffer is where its platform is
+            self.copy_stream = torch.cuda.Stream()
 
     def connector(self, cfg: TraceConfig):
         return self.module.make_worker_connector(*cfg.connector_args(), **cfg.connector_kwargs())
@@ -168,22 +184,6 @@ class Library(Impl):
         if self.backend == "host":
             return array
         return self.torch.from_numpy(array).to("cuda")
-
-    def enqueue(self, pending, fw: Forward):
-        if self.backend == "host":
-            return super().enqueue(pending, fw)
-        torch = self.torch
-        main = torch.cuda.current_stream()
-        self.copy_stream.wait_stream(main)
-        with torch.cuda.stream(self.copy_stream):
-            super().enqueue(pending, fw)
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.copy_stream)
-        return event
-
-    def wait(self, token) -> None:
-        if token is not None:
-            token.synchronize()
 
 
 def capturer_of(conn):
