@@ -474,7 +474,7 @@ class Engine:
                 r = self._new_request(prompt, prompt_start=self._prompt_start(len(prompt), 0),
                                       conversation=int(self.rng.integers(1, 4)))
             else:
-                which = 0 if cfg.hits_first else int(self.rng.integers(0, len(self.system_prompts)))
+                which = int(self.rng.integers(0, 2 if cfg.hits_first else len(self.system_prompts)))
                 system = self.system_prompts[which]
                 prompt = system + self._tokens(int(self.rng.integers(1, 3 * cfg.block_size)))
                 r = self._new_request(prompt, prompt_start=self._prompt_start(len(prompt), len(system)))

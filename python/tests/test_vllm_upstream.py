@@ -392,7 +392,9 @@ def _store_blocks(w, named):
     return rows
 
 
-def test_store_read_refreshes_a_block(impl):
+def test_a_block_a_request_read_outlives_older_ones(impl):
+    """The reader held the block while it read (retained, then released): it goes to the end of the
+    eviction order, behind a block no one used since."""
     w = Worker(impl, max_num_seqs=1, store_blocks=2)
     rows = _store_blocks(w, [("p", h("p")), ("q", h("q"))])
     w.read([h("p")])
