@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from _vllm_harness import capturer_of
-from _vllm_trace import Forward, Meta, TraceConfig
+from _vllm_scheduler import Meta
+from _vllm_trace import Forward, TraceConfig
 
 L, K, B = 3, 2, 4  # upstream's shape per token (3, 2), uint8 rows, hash blocks of 4 tokens
 E = 256

@@ -26,7 +26,8 @@ import numpy as np
 from _peers import VLLM_0_33, load_peer
 import _vllm_reference
 from _vllm_reference import ReferenceConnector
-from _vllm_trace import Begin, Forward, Meta, Process, Trace, TraceConfig
+from _vllm_scheduler import Meta
+from _vllm_trace import Begin, Forward, Process, Trace, TraceConfig
 
 #: The exceptions vLLM's connector raises where it refuses a call (its asserts, its store error,
 #: its checks); any exception of the library's counts at the same place.

@@ -24,8 +24,8 @@ import pytest
 
 from conftest import requires_cuda
 from _vllm_harness import Library, Peer, Reference, compare, have_library, run, truth_errors
-from _vllm_trace import (Meta, SchedulerConnectorModel, make_trace, meta_from_peer, peer_scheduler_connector,
-                         random_config)
+from _vllm_scheduler import Meta, SchedulerConnectorModel, meta_from_peer, peer_scheduler_connector
+from _vllm_trace import make_trace, random_config
 
 NUM_TRACES = int(os.environ.get("ROUTING_REPLAY_VLLM_TRACES", "240"))
 BATCH = 24
