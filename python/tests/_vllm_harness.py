@@ -29,11 +29,6 @@ from _vllm_reference import ReferenceConnector
 from _vllm_scheduler import Meta
 from _vllm_trace import Begin, Forward, Process, Trace, TraceConfig
 
-#: The exceptions vLLM's connector raises where it refuses a call (its asserts, its store error,
-#: its checks); any exception of the library's counts at the same place.
-PEER_FAILURES = (AssertionError, ValueError, IndexError, KeyError, RuntimeError)
-
-
 def have_library() -> bool:
     """Whether routing_replay.vllm (the connector, not only its plugin) is importable."""
     try:

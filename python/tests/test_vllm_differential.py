@@ -39,9 +39,13 @@ _TRACES: dict[tuple[int, bool], object] = {}
 @pytest.fixture(autouse=True)
 def _quiet_store_growth():
     # vLLM's store logs a warning each time every block it holds is referenced and it grows
-    logging.getLogger("routing_replay_peer_vllm_0_33_routed_experts").setLevel(logging.ERROR)
-    logging.getLogger().setLevel(logging.ERROR)
+    loggers = [logging.getLogger(), logging.getLogger("routing_replay_peer_vllm_0_33_routed_experts")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
 
 
 def trace(seed: int, *, remote_prefill: bool = False):
