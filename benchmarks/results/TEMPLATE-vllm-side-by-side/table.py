@@ -1,6 +1,7 @@
 """The side by side's JSON lines as a markdown table: per scenario and round, each implementation's
-median (p90) host path per step in us, their ratio, page faults per step, and whether every request
-came back exact. Usage: python3 table.py side_by_side.jsonl"""
+median (p90) host path per step in us, their ratio, minor page faults per step (the engine thread's
+median, the whole process's mean in brackets), and whether every request came back exact.
+Usage: python3 table.py side_by_side.jsonl"""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def main(path: str) -> None:
             extra.append(f"- round {r.get('round', 1)}, {r['impl']}: {r['slope_us_per_request_B64_B1024']} us per "
                          "request between decode B64 and B1024")
     print("| scenario | round | vLLM 0.33 us median (p90) | routing_replay us median (p90) | vLLM / ours "
-          "| page faults per step (vLLM / ours) | exact |")
+          "| page faults per step, engine thread (process mean), vLLM / ours | exact |")
     print("|---|---|---|---|---|---|---|")
     def order(item):
         (scenario, rnd), _ = item
@@ -35,7 +36,10 @@ def main(path: str) -> None:
             return f"{x['host_us_median']} ({x['host_us_p90']})" if x else "-"
 
         ratio = round(v["host_us_median"] / o["host_us_median"], 1) if v and o and o["host_us_median"] else "-"
-        faults = f"{v['minflt_per_step'] if v else '-'} / {o['minflt_per_step'] if o else '-'}"
+        def faults_of(x):
+            return f"{x['minflt_per_step']} ({x.get('minflt_process_per_step_mean')})" if x else "-"
+
+        faults = f"{faults_of(v)} / {faults_of(o)}"
         exact = all(x["correct"] for x in (v, o) if x)
         memory = ""
         if scenario == "store_probe":
