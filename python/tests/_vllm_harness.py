@@ -154,7 +154,7 @@ class Library(Impl):
     name = "routing_replay"
     refusal = (ValueError, RuntimeError)  # where vLLM asserts, a clear exception
 
-    def __init__(self, backend: str = "host", *, metadata_from: str = "library") -> None:
+    def __init__(self, backend: str = "host", *, metadata_from: str = "library", cpu_tensors: bool = False) -> None:
         import routing_replay.vllm as module
 
         self.module = module
@@ -163,10 +163,12 @@ class Library(Impl):
         self.metadata_from = metadata_from
         if metadata_from == "vllm":
             self.vllm = load_peer(VLLM_0_33, needs=("torch",))
-        if backend == "cuda":
+        self.cpu_tensors = cpu_tensors  # the host backend also takes CPU torch tensors
+        if backend == "cuda" or cpu_tensors:
             import torch
 
             self.torch = torch
+        if backend == "cuda":
             self.copy_stream = torch.cuda.Stream()
 
     def connector(self, cfg: TraceConfig):
@@ -178,7 +180,7 @@ class Library(Impl):
 
     def ids(self, conn, array):
         if self.backend == "host":
-            return array
+            return self.torch.from_numpy(array) if self.cpu_tensors else array
         return self.torch.from_numpy(array).to("cuda")
 
 
