@@ -106,6 +106,14 @@ class Worker:
 
 
 def refused(impl, call, *args, **kwargs):
+    """``call`` is refused as ``impl`` refuses (vLLM: an assert; the library: a clear exception)."""
     with pytest.raises(Exception) as info:
         call(*args, **kwargs)
     assert isinstance(info.value, impl.refusal), f"{impl.name} raised {type(info.value).__name__}: {info.value}"
+    if impl.name == "routing_replay":
+        assert_clear(info.value)
+
+
+def assert_clear(error: BaseException) -> None:
+    """The library's refusals say what was refused (a sentence, not an internal type's name)."""
+    assert len(str(error).split()) >= 3, f"unclear refusal: {type(error).__name__}({str(error)!r})"

@@ -3,8 +3,9 @@
 - A request whose first tokens were computed on another instance (prefill/decode disaggregation)
   starts capturing inside a block: vLLM asserts; the library emits from the first computed token,
   never files the partial block (a later read of it fails closed) and files the next full blocks.
-- Expert ids outside [0, E) and a step in which a layer was not captured are refused: vLLM wraps the
-  id into its narrow dtype, and emits the previous step's rows for the layer.
+- Expert ids outside [0, E) and a step that missed a layer captured before are refused: vLLM wraps
+  the id into its narrow dtype, and emits the previous step's rows for the layer. A layer never
+  captured (a dense layer the model's layer count includes) reads as 0 in both.
 
 The vLLM cases document what it does (they run where torch is installed); the library's run on each
 backend this machine has, and against the plain reference where the behaviour is shared.
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_cuda
-from _vllm_driver import E, K, L, Sched, Worker, h, logical
+from _vllm_driver import E, K, L, Sched, Worker, assert_clear, h, logical
 from _vllm_harness import Library, Peer, Reference, capturer_of, have_library
 from _vllm_trace import Forward
 
@@ -87,8 +88,9 @@ def test_expert_id_out_of_range_is_refused(library, bad):
     w = Worker(library, max_num_seqs=1)
     ids = {layer: np.ones((1, K), np.int64) for layer in range(L)}
     ids[1][0, 1] = bad
-    with pytest.raises(Exception):
+    with pytest.raises(Exception) as info:
         _capture_step(w, library, ids)
+    assert_clear(info.value)
 
 
 def test_vllm_wraps_an_expert_id_out_of_range():
@@ -106,8 +108,28 @@ def test_layer_not_captured_is_refused(library):
     _capture_step(w, library, full)
     w.begin(finished={"r": []})
     partial = {layer: np.full((1, K), 2, np.int64) for layer in range(L - 1)}
-    with pytest.raises(Exception):
+    with pytest.raises(Exception) as info:
         _capture_step(w, library, partial)
+    assert_clear(info.value)
+
+
+@pytest.fixture(params=["vllm", "reference", *LIBRARY], ids=["vllm", "reference", "routing_replay-host",
+                                                              "routing_replay-cuda"])
+def every(request):
+    if request.param == "vllm":
+        return Peer()
+    if request.param == "reference":
+        return Reference()
+    return Library(request.param)
+
+
+def test_a_layer_never_captured_reads_as_zero(every):
+    """Models whose first layers are dense count them among their hidden layers; their rows are
+    never captured and read as expert 0, in vLLM as in the library."""
+    w = Worker(every, max_num_seqs=1)
+    out = _capture_step(w, every, {layer: np.full((1, K), 2, np.int64) for layer in range(1, L)})
+    np.testing.assert_array_equal(out["r"][1][0, 0], np.zeros(K))
+    np.testing.assert_array_equal(out["r"][1][0, 1:], np.full((L - 1, K), 2))
 
 
 def test_vllm_emits_the_previous_steps_rows_for_a_layer_not_captured():
