@@ -32,7 +32,8 @@ TARGET = "vllm.distributed.aux_output_connector.worker"
 #: The names replaced there, each by the one of the same name in ``routing_replay.vllm``.
 REPLACED = ("AuxOutputWorkerConnector", "get_aux_output_connector")
 
-logger = logging.getLogger(__name__)
+# a child of vLLM's logger, so that the line shows in vLLM's log with its own
+logger = logging.getLogger("vllm.plugins.routing_replay")
 
 
 def enabled() -> bool:
