@@ -270,6 +270,8 @@ def compare(expected: Run, got: Run, trace: Trace, *, limit: int = 20) -> list[s
             if not isinstance(rb, np.ndarray):
                 problems.append(f"{where}: {got.impl}'s rows are a {type(rb).__name__}, not a numpy array")
                 continue
+            if ra.flags.c_contiguous and not rb.flags.c_contiguous:  # vLLM serializes slices of them
+                problems.append(f"{where}: {got.impl}'s rows are not C-contiguous ({rb.strides})")
             if int(ta) != int(tb) or ra.dtype != rb.dtype or ra.shape != rb.shape or not np.array_equal(ra, rb):
                 detail = _first_difference(ra, rb) if ra.shape == rb.shape and ra.dtype == rb.dtype else ""
                 problems.append(f"{where}: expected {_describe(a)} ({expected.impl}), got {_describe(b)}{detail}")
