@@ -4,7 +4,7 @@
 # tests on both backends with the CUDA cases required, then the side by side in ROUNDS rounds
 # (default 2), every line tagged with its round. Files under $OUT (default build/vllm_side_by_side):
 # machine.txt, tests.log, side_by_side.jsonl, table.md.
-# Usage (repository root): OUT=... ROUNDS=2 benchmarks/results/TEMPLATE-vllm-side-by-side/run.sh
+# Usage (repository root): OUT=... ROUNDS=2 benchmarks/python/vllm_side_by_side_gpu/run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-build/vllm_side_by_side}
@@ -27,7 +27,7 @@ ROUTING_REPLAY_REQUIRE_CUDA=1 ROUTING_REPLAY_PEERS="$PWD/.peers" ROUTING_REPLAY_
 echo "tests exit $? at $(( $(date +%s) - start )) s"; tail -n 3 "$out/tests.log"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   python3 benchmarks/python/vllm_side_by_side.py --device cuda --peers .peers \
-    | sed "s/^{/{\"round\": $round, /" >>"$out/side_by_side.jsonl"
+    | python3 benchmarks/tag_rounds.py round="$round" tree="$(git rev-parse --short HEAD)" >>"$out/side_by_side.jsonl"
   echo "round $round done at $(( $(date +%s) - start )) s"
 done
 python3 "$here/table.py" "$out/side_by_side.jsonl" | tee "$out/table.md"
