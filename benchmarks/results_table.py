@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Renders engine_loop JSON lines as the Markdown table of docs/performance.md.
+"""Renders engine_loop JSON lines as a Markdown table, one row per (policy, scenario, mode).
 
 usage: results_table.py engine_loop.jsonl [more.jsonl ...]   (or the lines on stdin)
 

@@ -18,7 +18,8 @@
 #   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
 #   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, and its pytest suite;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
-#   the host backend (every line must be correct) and the demo on a small run.
+#   the host backend (every line must be correct), a short run of the block-slot floor benchmark
+#   and the demo on a small run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -29,7 +30,7 @@ echo "== build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # -O0 for the .cu files' host code: nvcc's g++ pass there is most of their build (a third less at
 # -O0), and in CI it runs only the demo's small run
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O0" >/dev/null
-ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench soak)
+ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench block_slot_floor_bench step_floor_bench soak)
 # the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
 if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
 cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"
@@ -85,6 +86,7 @@ cat build/fuzz.log
 [ "$fuzz_status" -eq 0 ] || exit "$fuzz_status"
 
 build/ci/benchmarks/engine_loop --backend host --mode eager --scenarios decode_B64,prefill_8k --decode-steps 8 --copy all --storage all | python3 -c 'import json, sys; r = [json.loads(l) for l in sys.stdin]; ok = bool(r) and all(x["correct"] for x in r); print("== engine loop benchmark (host backend):", len(r), "runs,", "all correct" if ok else "NOT ALL CORRECT"); sys.exit(0 if ok else 1)'
+build/ci/benchmarks/block_slot_floors --decode-steps 8 --prefill-steps 8 | python3 -c 'import json, sys; r = [json.loads(l) for l in sys.stdin]; ok = len(r) == 2 and all(x["begin_us"] > 0 and x["floor_us"] > 0 for x in r); print("== block-slot floor benchmark (host backend):", len(r), "scenarios,", "ok" if ok else "NOT OK"); sys.exit(0 if ok else 1)'
 echo "== demo (small run, default backend)"
 build/ci/examples/engine_loop --out build/ci/demo_out --requests 3 --max-tokens 256 | tail -n 2
 echo "== all passed in $SECONDS s"
