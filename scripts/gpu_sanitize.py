@@ -84,7 +84,7 @@ def verdict(log: str, tool: str, cases: int) -> tuple[bool, str, int]:
     found = int(errors[-1]) if errors else None
     if tool == "racecheck" and hazards:
         found = max(found or 0, int(hazards[-1]))
-    ran, passed, failed = map(int, doctest[-1]) if doctest else (0, 0, 0)
+    _, passed, failed = map(int, doctest[-1]) if doctest else (0, 0, 0)
     ok = found == 0 and doctest and failed == 0 and passed == cases
     what = f"{'no summary' if found is None else f'{found} errors'} | {passed}/{cases} passed, {failed} failed"
     return bool(ok), what, found or 0
