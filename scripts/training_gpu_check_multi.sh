@@ -105,7 +105,7 @@ say "NOTE (not a pass condition) ${line#* }"
 if python3 -c 'import transformer_engine.pytorch' >/dev/null 2>&1; then
   say "SKIP (c) context parallel 2: Transformer Engine imports here, but this check builds megatron-core's local layers (no TE variant of the model is written)"
 else
-  say "SKIP (c) context parallel 2: Transformer Engine does not import here. megatron-core runs context parallelism only through TE's attention (its own DotProductAttention asserts context_parallel_size == 1); TE's PyTorch binding is on PyPI as a source distribution only (transformer_engine_torch 2.20.2, 0.5 MB), compiled against the installed torch with the CUDA toolkit and cuDNN headers (its build otherwise downloads a prebuilt wheel from GitHub), and it needs TE's core library, whose wheel (transformer_engine_cu13 2.20.2) is 276.5 MB: more than can be carried to a machine without internet"
+  say "SKIP (c) context parallel 2: Transformer Engine does not import here. megatron-core runs context parallelism only through TE's attention (its own DotProductAttention asserts context_parallel_size == 1); TE's PyTorch binding is on PyPI as a source distribution only (transformer_engine_torch 2.20.2, 0.5 MB), compiled against the installed torch with the CUDA toolkit and cuDNN headers (its build otherwise downloads a prebuilt wheel from GitHub), and it needs TE's core library, whose wheel (transformer_engine_cu13 2.20.2) is 276.5 MB: too large to carry to a GPU machine without internet"
 fi
 say "==== $( [ $status -eq 0 ] && echo PASS || echo FAIL )"
 exit $status
