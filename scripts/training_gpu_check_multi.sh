@@ -17,16 +17,17 @@
 #
 # The package: build/python-gpu-site where scripts/python_gpu_check.sh built it, else the host
 # module only, with the int16 instantiations only, is built into build/python-host-site (under a
-# minute; the check needs no CUDA module). Results go to $OUT (default build/training_gpu_check_multi): summary.txt (appended
-# line by line as each part finishes), one log and one JSON per part. Exit status 0 when (a) and (b)
-# pass. Expected on 2 x H200: 2 to 4 minutes in all, each part under a minute; each part is bounded
+# minute; the check needs no CUDA module). Results go to $OUT (default
+# build/training_gpu_check_multi): summary.txt (appended line by line as each part finishes), one
+# log and one JSON per part. Exit status 0 when (a) and (b) pass. Expected on 2 x H200: 2 to 4 minutes in all, each part under a minute; each part is bounded
 # by `timeout` (the reference 300 s, each layout 240 s, the note 120 s).
 # Usage: scripts/training_gpu_check_multi.sh     (TRAINING_MULTI_CPU=1: gloo on the CPU, to check
 # the script itself on a machine without GPUs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-build/training_gpu_check_multi}
-mkdir -p "$RESULTS"
+WORK=build/training_gpu_check_multi_work  # the reference's weights (reference.pt, 3 MB) stay here
+rm -rf "$WORK" && mkdir -p "$RESULTS" "$WORK"
 summary="$RESULTS/summary.txt"
 : >"$summary"
 say() { echo "$1" | tee -a "$summary"; }
@@ -69,9 +70,10 @@ say "torch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null), m
 
 status=0
 start=$(date +%s)
-timeout 300 python3 python/tests/megatron_ranks.py reference --dir "$RESULTS" "${cpu_args[@]}" \
+timeout 300 python3 python/tests/megatron_ranks.py reference --dir "$WORK" "${cpu_args[@]}" \
   >"$RESULTS/reference.log" 2>&1
 rc=$?
+cp "$WORK"/*.json "$RESULTS"/ 2>/dev/null
 if [ $rc -eq 0 ]; then
   say "$(grep -E '^reference' "$RESULTS/reference.log" | tail -n1) ($(( $(date +%s) - start )) s)"
 else
@@ -84,8 +86,9 @@ run_layout() {  # LAYOUT SECONDS: one torchrun of two ranks, bounded; prints its
   local start rc line
   start=$(date +%s)
   timeout "$2" python3 -m torch.distributed.run --standalone --nproc-per-node 2 python/tests/megatron_ranks.py \
-    layout --layout "$1" --dir "$RESULTS" "${cpu_args[@]}" >"$RESULTS/$1.log" 2>&1
+    layout --layout "$1" --dir "$WORK" "${cpu_args[@]}" >"$RESULTS/$1.log" 2>&1
   rc=$?
+  cp "$WORK"/*.json "$RESULTS"/ 2>/dev/null
   line=$(grep -E '^(PASS|FAIL) ' "$RESULTS/$1.log" | tail -n1)
   if [ -z "$line" ]; then
     tail -n 30 "$RESULTS/$1.log" >&2
