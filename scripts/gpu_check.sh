@@ -16,15 +16,31 @@ status=0
 note() { summary+=("$1"); }
 # Which parts run (comma-separated): tests (GPU and host tests, memcheck, demo), bench (engine
 # loop), micro (Google Benchmark programs), compare (before/after against .baseline), overhead
-# (step time added at realistic step lengths, three rounds, both capture paths), sanitize
-# (compute-sanitizer memcheck, racecheck, synccheck, initcheck over the GPU suite, in parallel:
-# about 7 minutes on an H200), soak (the CUDA soak: all eight copy strategy x storage combinations
-# at N_max 8192, L 48, K 8, GPU_CHECK_SOAK_STEPS steps each (default 100000), at once, one thread
-# each in one process; projected 2 to 4 minutes on an H200 with 16 cores, docs/reliability.md 2.4;
+# (step time added at realistic step lengths, three rounds, both capture paths), sanitize (below),
+# soak (the CUDA soak: all eight copy strategy x storage combinations at N_max 8192, L 48, K 8,
+# GPU_CHECK_SOAK_STEPS steps each (default 100000), at once, one thread each in one process;
+# projected 2 to 4 minutes on an H200 with 16 cores, docs/reliability.md 2.4;
 # GPU_CHECK_SOAK_ONLY="sync/block_slot,..." runs some of them, to split it over two calls); the last
 # three are not run by default. Parts that need only gpu_tests (sanitize, soak) build only it: the
 # soak alone is `GPU_CHECK_PARTS=soak scripts/gpu_check.sh`. A lease's command may last 10 minutes:
 # split the parts over two calls on a warm machine if needed; the build is reused.
+#
+# sanitize: compute-sanitizer racecheck, initcheck, synccheck and memcheck over the GPU suite (all
+# but two named test cases, docs/reliability.md 2.4), by scripts/gpu_sanitize.py: the suite cut
+# into runs of GPU_CHECK_SANITIZE_CASES_PER_RUN (4) consecutive test cases, GPU_CHECK_SANITIZE_WORKERS
+# (the cores less two) sanitizer processes at once on the one GPU, tool after tool. Each run's line
+# and log land in $OUT as it ends (sanitize_summary.txt, sanitize/sanitizer_TOOL_A-B.log), each
+# tool's line and whole log (sanitize/sanitizer_TOOL.log) as its last run ends. The four tools one
+# after the other took 1700 s on an H200 over 89 test cases (2026-11-23; racecheck 625 s); at 14
+# processes at once they are expected to take 3 to 4 minutes, so that with the build of gpu_tests
+# (108 s on a fresh H200) the part fits one 10-minute call. No run starts after
+# GPU_CHECK_SANITIZE_DEADLINE_S (default: 570 s after this script started, within a call's 10
+# minutes), running ones are stopped then, and the summary names the cases left and the command
+# that runs them. Should one call not be enough, two calls on the same warm machine (the second
+# reuses the build) cover the four tools:
+#   GPU_CHECK_PARTS=sanitize1 scripts/gpu_check.sh    # racecheck, memcheck (about 55 % of the work)
+#   GPU_CHECK_PARTS=sanitize2 scripts/gpu_check.sh    # initcheck, synccheck
+# GPU_CHECK_SANITIZE_TOOLS=racecheck and GPU_CHECK_SANITIZE_CASES=41-90 pick tools and cases.
 PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
@@ -46,7 +62,7 @@ note "gpu: ${gpu:-none found} | nvcc $(nvcc --version | sed -n 's/.*release \([0
 targets=()
 only_gpu_tests=1
 for part in ${PARTS//,/ }; do
-  case "$part" in sanitize|soak) ;; *) only_gpu_tests=0 ;; esac
+  case "$part" in sanitize|sanitize1|sanitize2|soak) ;; *) only_gpu_tests=0 ;; esac
 done
 [ $only_gpu_tests -eq 1 ] && targets=(--target gpu_tests)
 start=$(date +%s)
@@ -194,20 +210,30 @@ fi
 # compute-sanitizer over the whole GPU suite but two tests (docs/reliability.md 2.4 says why): the
 # scale tests (the schedule tests' code paths at 2000 steps: hours under a sanitizer) and the
 # copy-stream gate (the sanitizer serializes kernels across streams, so the compute stream cannot
-# finish while the copy stream is held shut).
-if want sanitize && command -v compute-sanitizer >/dev/null 2>&1; then
-  excluded='CUDA at scale*,CUDA: with the copy stream shut*'
-  for tool in memcheck racecheck synccheck initcheck; do
-    timeout 1200 compute-sanitizer --tool "$tool" --error-exitcode 3 build/gpu/tests/gpu_tests -tce="$excluded" \
-      >"$OUT/sanitizer_$tool.log" 2>&1 &
-  done
-  wait
-  for tool in memcheck racecheck synccheck initcheck; do
-    verdict=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n1)
-    cases=$(grep -E '^\[doctest\] test cases' "$OUT/sanitizer_$tool.log" | sed 's/\[doctest\] //')
-    note "compute-sanitizer $tool: ${verdict:-no summary (timed out?)} | $cases"
-    grep -qE ' 0 (errors|hazards)' <<<"$verdict" && grep -q '0 failed' <<<"$cases" || status=1
-  done
+# finish while the copy stream is held shut). The header says how the work is spread and split.
+sanitize_tools=""
+want sanitize && sanitize_tools=racecheck,initcheck,synccheck,memcheck
+want sanitize1 && sanitize_tools=${sanitize_tools:-racecheck,memcheck}
+want sanitize2 && sanitize_tools=${sanitize_tools:+$sanitize_tools,}initcheck,synccheck
+sanitize_tools=${GPU_CHECK_SANITIZE_TOOLS:-$sanitize_tools}
+if [ -n "$sanitize_tools" ]; then
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    mkdir -p "$RESULTS/sanitize" "$OUT/sanitize"
+    rm -f "$RESULTS"/sanitize/sanitizer_*.log
+    printf '%s\n' "${summary[@]}" | tee "$OUT/sanitize_summary.txt" >"$RESULTS/sanitize_summary.txt"  # GPU, build
+    python3 scripts/gpu_sanitize.py --gpu-tests build/gpu/tests/gpu_tests --tools "$sanitize_tools" \
+      --exclude 'CUDA at scale*,CUDA: with the copy stream shut*' --cases "${GPU_CHECK_SANITIZE_CASES:-}" \
+      --cases-per-run "${GPU_CHECK_SANITIZE_CASES_PER_RUN:-4}" --workers "${GPU_CHECK_SANITIZE_WORKERS:-0}" \
+      --deadline-s "${GPU_CHECK_SANITIZE_DEADLINE_S:-$(( 570 - ($(date +%s) - script_start) ))}" \
+      --work "$OUT/sanitize" --results "$RESULTS/sanitize" \
+      --summary "$RESULTS/sanitize_summary.txt" --summary "$OUT/sanitize_summary.txt" >"$OUT/sanitize.log" 2>&1 ||
+      status=1
+    mapfile -t lines < <(grep -E '^compute-sanitizer' "$OUT/sanitize.log")
+    summary+=("${lines[@]}")
+    [ ${#lines[@]} -gt 0 ] || { note "compute-sanitizer: no result: $(tail -n 3 "$OUT/sanitize.log" | tr '\n' ' ')"; status=1; }
+  else
+    note "compute-sanitizer: not found (it comes with the CUDA toolkit)"; status=1
+  fi
 fi
 
 # The CUDA soak at N_max 8192, L 48, K 8: every copy strategy with both storages, each run

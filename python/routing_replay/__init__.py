@@ -124,8 +124,10 @@ def cuda_available() -> bool:
 def policies(backend: str = "host") -> list[dict[str, str]]:
     """The compiled instantiations of a backend: dicts with ``index``, ``layout``, ``copy``, ``storage``.
 
-    The host backend has every valid combination (56); the CUDA backend has every copy strategy and
-    storage for ``int16`` with both layouts and for ``int32`` and ``uint8`` with ``layer_major`` (28).
+    Both backends have every combination of :data:`INDEX_TYPES`, :data:`LAYOUTS`,
+    :data:`COPY_STRATEGIES` and :data:`STORAGES` (64), unless the package was built with
+    ``-C cmake.define.ROUTING_REPLAY_PYTHON_INDEX_TYPES=...`` naming fewer index types
+    (``routing_replay._build.INDEX_TYPES``): then every combination of those.
     """
     module = _core if backend == "host" else _cuda()
     out = []
@@ -212,7 +214,8 @@ class Replay:
 
     Raises:
         Error: the library refused the configuration (``code`` says why).
-        ValueError: no compiled instantiation for these policies on this backend.
+        ValueError: a policy name is unknown, or its index type was left out of this build
+            (``ROUTING_REPLAY_PYTHON_INDEX_TYPES``; the message says how to rebuild).
     """
 
     def __init__(

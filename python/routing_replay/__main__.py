@@ -14,6 +14,7 @@ def main() -> int:
     print(f"CUDA module: {_build.CUDA_NOTE}; a CUDA device usable: {rr.cuda_available()}")
     print(f"compiler flags: host module {_build.CXX_FLAGS or '(none)'}; "
           f"CUDA module {_build.CUDA_FLAGS or '(not built)'}")
+    print(f"index types compiled, each with every layout, copy strategy and storage: {', '.join(_build.INDEX_TYPES)}")
     for backend in rr.backends():
         names = [f"{p['index']}/{p['layout']}/{p['copy']}/{p['storage']}" for p in rr.policies(backend)]
         print(f"{backend}: {len(names)} instantiations (index/layout/copy/storage):")

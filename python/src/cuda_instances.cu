@@ -1,12 +1,11 @@
 /// @file
-/// CUDA module: the int16 layer-major instantiations, the registration of every CUDA instantiation
-/// and the few CUDA runtime calls the module makes. The other instantiations are in
-/// cuda_int16_token_major.cu and cuda_other_index_types.cu: three nvcc translation units that a
-/// machine's cores build at once (CI builds the host module only). No nanobind here:
-/// module_cuda.cpp binds it with the host compiler.
+/// CUDA module: the registration of every CUDA instantiation and the few CUDA runtime calls the
+/// module makes. The instantiations are in the generated nvcc translation units of
+/// cuda_instances_of.cu.in, one per index type and layout, which a machine's cores build at once
+/// (instances.hpp; CI builds the host module only). No nanobind here: module_cuda.cpp binds it with
+/// the host compiler.
 #include "cuda_instances.hpp"
-#include "cuda_stream_cast.cuh"
-#include "instances.hpp"
+#include "instance_registry.hpp"
 
 #include <routing_replay/routing_replay.cuh>
 
@@ -14,12 +13,7 @@
 
 namespace routing_replay::python {
 
-void register_cuda(factory_table& table)
-{
-  add_int16<cuda_backend, layer_major>(table, "cuda");
-  register_cuda_int16_token_major(table);
-  register_cuda_other_index_types(table);
-}
+void register_cuda(factory_table& table) { register_cuda_instances(table); }
 
 bool cuda_available() noexcept { return cuda_backend::available(); }
 

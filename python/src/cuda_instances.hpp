@@ -11,10 +11,6 @@ namespace routing_replay::python {
 
 /// @brief Registers the compiled CUDA instantiations.
 void register_cuda(factory_table& table);
-/// @brief Registers the int16 token-major CUDA instantiations (cuda_int16_token_major.cu).
-void register_cuda_int16_token_major(factory_table& table);
-/// @brief Registers the uint8, uint16 and int32 CUDA instantiations (cuda_other_index_types.cu).
-void register_cuda_other_index_types(factory_table& table);
 /// @brief Whether a usable CUDA device is present.
 bool cuda_available() noexcept;
 /// @brief Visible CUDA devices (0 without a driver).

@@ -4,6 +4,7 @@
 /// binds it, and the CUDA module, which only creates it.
 #pragma once
 
+#include "instance_registry.hpp"
 #include "replay_base.hpp"
 #include "replay_impl.hpp"
 
@@ -163,8 +164,10 @@ inline replay_handle create_replay(const factory_table& table, const policy_name
   if (it == table.end()) {
     throw error{errc::invalid_argument,
                 "no compiled " + names.backend + " instantiation for index=" + names.index + ", layout=" + names.layout +
-                  ", copy=" + names.copy + ", storage=" + names.storage + "; routing_replay.policies('" +
-                  names.backend + "') lists them"};
+                  ", copy=" + names.copy + ", storage=" + names.storage + ": this build compiled index types " +
+                  compiled_index_types + " (routing_replay.policies('" + names.backend +
+                  "') lists the combinations); every combination of all four comes with the default build, "
+                  "pip install ./python (or -C cmake.define.ROUTING_REPLAY_PYTHON_INDEX_TYPES=all)"};
   }
   return replay_handle{it->second(config, copy_stream, staging), kind, device};
 }

@@ -3,7 +3,7 @@
 /// CUDA module, _core_cuda, creates replays of these same classes). The Python layer
 /// (routing_replay/__init__.py) turns arrays and streams into the pointers and handles taken here.
 #include "handle.hpp"
-#include "instances.hpp"
+#include "instance_registry.hpp"
 #include "replay_base.hpp"
 #include "slot_rows_bindings.hpp"
 #include "stream_bindings.hpp"
@@ -604,9 +604,7 @@ const factory_table& host_factories()
 {
   static const factory_table table = [] {
     factory_table t;
-    register_host_int16_layer_major(t);
-    register_host_int16_token_major(t);
-    register_host_other_index_types(t);
+    register_host_instances(t);
     return t;
   }();
   return table;

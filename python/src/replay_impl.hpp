@@ -131,7 +131,7 @@ struct stage_layer {
     const std::int32_t row = i / top_k;
     const std::int32_t col = i - row * top_k;
     const auto id          = static_cast<std::int64_t>(source[static_cast<std::int64_t>(row) * source_stride + col]);
-    constexpr std::int64_t hi = std::numeric_limits<std::int32_t>::max();
+    constexpr std::int64_t hi = INT32_MAX;  // a macro: nvcc refuses std::numeric_limits in device code
     constexpr std::int64_t lo = std::int64_t{unstaged<std::int32_t>} + 1;  // above the mark
     staging[i] = static_cast<std::int32_t>(id > hi ? hi : (id < lo ? lo : id));
   }

@@ -1,38 +1,49 @@
-"""Every compiled instantiation, on every backend this machine runs, against the plain reference
-on a randomized engine schedule (chunked prefill, decode, drafts accepted and rejected, requests
-that did not ask, aborts; KV blocks for block_slot storage), bit-exact."""
+"""Every policy combination, on every backend this machine runs, against the plain reference on a
+randomized engine schedule (chunked prefill, decode, drafts accepted and rejected, requests that
+did not ask, aborts; KV blocks for block_slot storage), bit-exact."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 import routing_replay as rr
 from _sim import Engine
+from routing_replay import _build
 
-#: The documented set (routing_replay.policies, python/src/instances.hpp): 28 on each backend.
-EXPECTED = (
-    [("int16", layout, copy, storage)
-     for layout in ("layer_major", "token_major")
-     for copy in ("sync", "async_event", "double_buffered", "device_scatter")
-     for storage in ("per_request", "block_slot")]
-    + [(index, "layer_major", copy, storage)
-       for index in ("uint8", "uint16", "int32")
-       for copy in ("double_buffered", "device_scatter")
-       for storage in ("per_request", "block_slot")]
-)
-IDS = ["/".join(p) for p in EXPECTED]
+INDEX_TYPES = ("uint8", "uint16", "int16", "int32")
+LAYOUTS = ("layer_major", "token_major")
+COPIES = ("sync", "async_event", "double_buffered", "device_scatter")
+STORAGES = ("per_request", "block_slot")
+#: Every combination (64); a build compiles all of them unless ROUTING_REPLAY_PYTHON_INDEX_TYPES
+#: named fewer index types (python/src/instances.hpp).
+ALL = list(itertools.product(INDEX_TYPES, LAYOUTS, COPIES, STORAGES))
+COMPILED = [p for p in ALL if p[0] in _build.INDEX_TYPES]
 
 
-def test_host_policies_are_the_documented_set():
-    got = {(p["index"], p["layout"], p["copy"], p["storage"]) for p in rr.policies("host")}
-    assert got == set(EXPECTED)
+def compiled(backend: str) -> set[tuple[str, str, str, str]]:
+    return {(p["index"], p["layout"], p["copy"], p["storage"]) for p in rr.policies(backend)}
 
 
-@pytest.mark.parametrize("policy", EXPECTED, ids=IDS)
+def test_every_combination_of_the_built_index_types():
+    assert len(ALL) == 64
+    assert compiled("host") == set(COMPILED)
+    if "cuda" in rr.backends():
+        assert compiled("cuda") == set(COMPILED)
+
+
+@pytest.mark.skipif(set(_build.INDEX_TYPES) == set(INDEX_TYPES), reason="this build compiled every index type")
+def test_a_left_out_index_type_says_how_to_get_it(host):
+    index = next(i for i in INDEX_TYPES if i not in _build.INDEX_TYPES)
+    with pytest.raises(ValueError, match=f"no compiled host instantiation for index={index}.*"
+                                         "this build compiled index types .*ROUTING_REPLAY_PYTHON_INDEX_TYPES=all"):
+        rr.Replay(num_experts=8, top_k=2, max_tokens_per_step=8, max_model_len=16, moe_layers=[0], device="cpu",
+                  index=index)
+
+
+@pytest.mark.parametrize("policy", COMPILED, ids=["/".join(p) for p in COMPILED])
 def test_policy_matches_reference(device, policy):
-    if device.backend == "cuda":
-        got = {(p["index"], p["layout"], p["copy"], p["storage"]) for p in rr.policies("cuda")}
-        assert got == set(EXPECTED)
     index, layout, copy, storage = policy
     moe_layers = [1, 2, 4]  # model layers 0 and 3 are dense
     replay = rr.Replay(num_experts=40, top_k=3, max_tokens_per_step=24, max_model_len=40, moe_layers=moe_layers,

@@ -1,9 +1,0 @@
-/// @file
-/// Host module: the int16 token major instantiations (instances.hpp lists the set).
-#include "instances.hpp"
-
-namespace routing_replay::python {
-
-void register_host_int16_token_major(factory_table& table) { add_int16<host_backend, token_major>(table, "host"); }
-
-}  // namespace routing_replay::python
