@@ -1787,7 +1787,7 @@ class checked_replay {
   std::uint64_t filed_through_ = 0;  ///< serial of the last step that left the ring
   std::vector<std::pair<std::size_t, std::uint64_t>> pending_segments_;  ///< closed requests' bytes, last claim
   std::vector<std::pair<std::size_t, std::uint64_t>> parked_;  ///< parked ranges: bytes, last claim
-  static constexpr std::size_t max_parked = 256;               ///< as per_request_store
+  static constexpr std::size_t max_parked = 256;               ///< as detail::request_ranges
   std::optional<open_step> open_;
   std::uint64_t serial_        = 0;
   std::uint64_t next_instance_ = 1;
