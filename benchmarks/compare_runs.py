@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side-by-side medians of engine-loop JSON lines from two builds run alternately in one session.
+"""Side-by-side medians of engine-loop JSON lines from two builds run alternately on one machine.
 
 Usage: compare_runs.py FILE.jsonl
 Each line is an engine_loop result with two added keys: "build" (e.g. "before", "after") and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Python engine loop on a GPU machine (docs/performance.md section 9): builds the package into
+# The Python engine loop on a GPU machine (docs/performance.md): builds the package into
 # build/python-gpu-site (as scripts/python_gpu_check.sh does) and, where scripts/stage_baseline.sh
 # staged an earlier tree in .baseline/, that tree's package beside it (both at once: their nvcc
 # translation units build in parallel); then runs benchmarks/python/engine_loop.py for each tree and,

@@ -1,5 +1,5 @@
-"""What one eager capture() costs, part by part, on a CUDA machine with torch (docs/performance.md
-section 9.10): each part of Replay's hot path timed alone, then the whole call, in two conditions:
+"""What one eager capture() costs, part by part, on a CUDA machine with torch (docs/performance.md):
+each part of Replay's hot path timed alone, then the whole call, in two conditions:
 warm (the part called back to back) and cold (48 calls, a layer's worth each, after 64 MB of host
 memory is swept, standing for the forward's own host work between captures). One JSON line per
 part, medians in us per call:

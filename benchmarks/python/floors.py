@@ -1,4 +1,4 @@
-"""The machine's floors under the Python engine loop's figures (docs/performance.md section 9):
+"""The machine's floors under the Python engine loop's figures (docs/performance.md):
 what the cheapest possible version of each host-side operation costs here, so that a missed target
 can be told from a slow implementation. One JSON line per measurement (medians):
 
