@@ -345,9 +345,9 @@ class row_claimer {
 
  protected:
   // the row filer, which derives from this class, files through the store too
-  std::int64_t row_elems_;
-  bool overwrite_;
-  Store store_;
+  std::int64_t row_elems_;  ///< ids per row (L * K)
+  bool overwrite_;          ///< replay_config::overwrite_recomputed_rows
+  Store store_;             ///< the host store
 };
 
 }  // namespace routing_replay

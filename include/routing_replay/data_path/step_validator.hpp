@@ -209,8 +209,8 @@ class step_validator {
   }
 
  protected:
-  // Gives back what validate() claimed (Filer::plans_fresh_runs), newest first: the runs of the
-  // record but those left to open().
+  /// @brief Gives back what validate() claimed (Filer::plans_fresh_runs), newest first: the runs
+  /// of the record but those left to open().
   template <class Filer>
   void undo_fresh_claims(request_registry& requests, Filer& filer) noexcept
   {
@@ -298,27 +298,27 @@ class step_validator {
 
  protected:
   // the step being planned, which step_planner commits
-  std::int64_t max_rows_;
-  std::int64_t max_model_len_;
-  std::uint64_t serial_  = 0;  // serial of the latest step opened
-  std::uint64_t attempt_ = 0;  // validation passes, to spot a request scheduled twice in a plan
-  bool exact_growth_     = false;
-  bool grows_            = false;  // some run of the validated plan needs more storage
-  bool has_drafts_       = false;  // some run of the validated plan has draft tokens
-  std::size_t tokens_    = 0;      // tokens of the validated plan's runs
-  bool open_             = false;
-  std::vector<std::uint32_t> handles_;  // the plan's runs' handles, found once by validate()
-  std::vector<char> grew_;              // per run of the plan being opened: its storage grew
-  std::vector<std::uint32_t> unplanned_;  // Filer::plans_fresh_runs: runs validate() left to open()
-  // Filer::plans_fresh_runs: a run validate() claimed for a request the previous step did not
-  // schedule, and its step serials before
+  std::int64_t max_rows_;       ///< max_tokens_per_step
+  std::int64_t max_model_len_;  ///< max_model_len
+  std::uint64_t serial_  = 0;  ///< serial of the latest step opened
+  std::uint64_t attempt_ = 0;  ///< validation passes, to spot a request scheduled twice in a plan
+  bool exact_growth_     = false;  ///< the validated plan's runs grow exactly: doubling would cross the limit
+  bool grows_            = false;  ///< some run of the validated plan needs more storage
+  bool has_drafts_       = false;  ///< some run of the validated plan has draft tokens
+  std::size_t tokens_    = 0;      ///< tokens of the validated plan's runs
+  bool open_             = false;  ///< a step is open
+  std::vector<std::uint32_t> handles_;  ///< the plan's runs' handles, found once by validate()
+  std::vector<char> grew_;              ///< per run of the plan being opened: its storage grew
+  std::vector<std::uint32_t> unplanned_;  ///< Filer::plans_fresh_runs: runs validate() left to open()
+  /// @brief Filer::plans_fresh_runs: a run validate() claimed for a request the previous step did
+  /// not schedule, and its step serials before.
   struct claimed_run {
-    std::uint32_t run;  // index in record_.runs
-    std::uint64_t open_step;
-    std::uint64_t reads_step;
+    std::uint32_t run;         ///< index in record_.runs
+    std::uint64_t open_step;   ///< the request's open_step before
+    std::uint64_t reads_step;  ///< the request's reads_step before
   };
-  std::vector<claimed_run> claimed_;  // in batch order, for undo_fresh_claims()
-  step_record<Index> record_;           // the open step's record
+  std::vector<claimed_run> claimed_;  ///< in batch order, for undo_fresh_claims()
+  step_record<Index> record_;           ///< the open step's record
 };
 
 }  // namespace routing_replay
