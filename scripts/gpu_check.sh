@@ -21,10 +21,10 @@ note() { summary+=("$1"); }
 # about 7 minutes on an H200), soak (the CUDA soak: all eight copy strategy x storage combinations
 # at N_max 8192, L 48, K 8, GPU_CHECK_SOAK_STEPS steps each (default 100000), at once, one thread
 # each in one process; projected 2 to 4 minutes on an H200 with 16 cores, docs/reliability.md 2.4;
-# GPU_CHECK_SOAK_ONLY="sync/block_slot,..." runs some of them, to split it over two calls); the last
+# GPU_CHECK_SOAK_ONLY="sync/block_slot,..." runs some of them, to split it over two runs); the last
 # three are not run by default. Parts that need only gpu_tests (sanitize, soak) build only it: the
-# soak alone is `GPU_CHECK_PARTS=soak scripts/gpu_check.sh`. A lease's command may last 10 minutes:
-# split the parts over two calls on a warm machine if needed; the build is reused.
+# soak alone is `GPU_CHECK_PARTS=soak scripts/gpu_check.sh`. The parts may run in separate
+# invocations on one machine; the build is reused.
 PARTS=${GPU_CHECK_PARTS:-tests,bench,micro,compare}
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 bench_lines() {  # PROGRAM: Google Benchmark JSON on stdin -> one JSON line per benchmark
@@ -221,8 +221,8 @@ fi
 # 570 s since this script started) prints each run's progress and aborts if it runs too long;
 # `timeout` is the last resort.
 if want soak; then
-  # by default the watchdog fires before a lent machine's 10-minute limit on the whole command
-  # (the build included), so the log still says how far each run got
+  # by default the watchdog fires before a 10-minute limit on the whole command (the build
+  # included), where the machine sets one, so the log still says how far each run got
   soak_deadline=${GPU_CHECK_SOAK_DEADLINE_S:-$(( 570 - ($(date +%s) - script_start) ))}
   [ "$soak_deadline" -ge 60 ] || soak_deadline=60
   soak_all=sync/per_request,sync/block_slot,async_event/per_request,async_event/block_slot
