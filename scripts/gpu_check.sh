@@ -22,8 +22,8 @@ note() { summary+=("$1"); }
 # projected 2 to 4 minutes on an H200 with 16 cores, docs/reliability.md 2.4;
 # GPU_CHECK_SOAK_ONLY="sync/block_slot,..." runs some of them, to split it over two calls); the last
 # three are not run by default. Parts that need only gpu_tests (sanitize, soak) build only it: the
-# soak alone is `GPU_CHECK_PARTS=soak scripts/gpu_check.sh`. A lease's command may last 10 minutes:
-# split the parts over two calls on a warm machine if needed; the build is reused.
+# soak alone is `GPU_CHECK_PARTS=soak scripts/gpu_check.sh`. The parts may run in separate
+# invocations on one machine (where a command may last only 10 minutes); the build is reused.
 #
 # sanitize: compute-sanitizer racecheck, initcheck, synccheck and memcheck over the GPU suite (all
 # but two named test cases, docs/reliability.md 2.4), by scripts/gpu_sanitize.py: the suite cut

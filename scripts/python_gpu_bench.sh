@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The Python engine loop on a GPU machine (docs/performance.md section 9): builds the package into
+# The Python engine loop on a GPU machine (docs/performance.md): builds the package into
 # build/python-gpu-site (as scripts/python_gpu_check.sh does) and, where scripts/stage_baseline.sh
 # staged an earlier tree in .baseline/, that tree's package beside it (both at once: their nvcc
 # translation units build in parallel); then runs benchmarks/python/engine_loop.py for each tree and,
 # where the peer was carried in .peers/ (../shared/peers/README.md), the side by side with vLLM PR
-# 39917's capturer. JSON lines go to $OUT (the device tool's folder) or build/python-bench/.
+# 39917's capturer. JSON lines go to $OUT (when set) or build/python-bench/.
 # Usage: scripts/python_gpu_bench.sh [engine_loop.py arguments]
 # Environment: PY_BENCH_PARTS (default bench,baseline,peer), PY_BENCH_PEER_ARGS (extra arguments
 # of the peer script, e.g. "--copy device_scatter"), PY_BENCH_SKIP_BUILD=1 (reuse the packages an

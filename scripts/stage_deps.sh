@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Copies the files of the doctest-dev and Google Benchmark packages into .deps/ (git-ignored), for
-# a machine that has no package registry (the lent GPU machines). Pass .deps with the device tool's
-# `carry`; scripts/gpu_check.sh picks it up.
+# a machine that has no package registry (a GPU machine without internet). Copy .deps/ there with
+# the checkout; scripts/gpu_check.sh picks it up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh

@@ -2,8 +2,8 @@
 # Downloads into .whl/ the wheels scripts/training_gpu_check.sh installs on a GPU machine without
 # internet (python 3.12, x86_64): megatron-core, whose base requirements (torch, numpy, packaging)
 # the GPU image already has; its extras (Transformer Engine...) are not needed by the tests.
-# .whl/ is not tracked: keep it out of git (e.g. a line `/.whl/` in .git/info/exclude); the device
-# tool carries it when it is ignored (`carry: [".whl"]`), or as an untracked file when it is not.
+# .whl/ is not tracked: keep it out of git (e.g. a line `/.whl/` in .git/info/exclude) and copy it
+# to the GPU machine with the checkout.
 # Usage: scripts/stage_training_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds every target and runs every test, keeping nvcc and g++ work to one build of each
 # translation unit where possible (CI has 2 cores):
-# - the CUDA targets (GPU tests, the 2-GPU test, demo, benchmarks) and the packaging tests, the
-#   .cu files' host code at -O0 and the C++ files at -O1: CI proves they build and run; figures come
+# - the CUDA targets (GPU tests, the 2-GPU test, demo, benchmarks), every library header compiled
+#   on its own (header_checks) and the packaging tests, the .cu files' host code at -O0 and the C++
+#   files at -O1: CI proves they build and run; figures come
 #   from scripts/gpu_check.sh on a GPU. The GPU tests report Skipped, not Passed, where there is no GPU;
 # - the host tests (every policy combination, every copy strategy) and the parallel tests (ranks as
 #   threads, label parallel) under ThreadSanitizer: the host backend's streams are real threads, so
@@ -30,7 +31,7 @@ echo "== build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # -O0 for the .cu files' host code: nvcc's g++ pass there is most of their build (a third less at
 # -O0), and in CI it runs only the demo's small run
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O0" >/dev/null
-ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench block_slot_floor_bench step_floor_bench soak)
+ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench block_slot_floor_bench step_floor_bench soak header_checks)
 # the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
 if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
 cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"

@@ -124,7 +124,7 @@ def torch_hot_capture(launch, device_index: int, top_k: int, read_stream, stream
     anything else, or a call while torch.compile traces, returns False for the general path, which
     describes, checks and reports it. Flat on purpose: every value it needs is a closure constant and
     a call is five reads of the tensor and one native call, where method layers, an argument tuple
-    and a stream closure cost about a microsecond more (docs/performance.md 9.10). Needs torch
+    and a stream closure cost about a microsecond more (docs/performance.md). Needs torch
     imported."""
     tensor_type = sys.modules["torch"].Tensor
     codes = _torch_dtype_codes()

@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from . import Replay, _arrays, _live, _replay_ids, _torch_capture_op, sentinel
+from . import _arrays
+from ._replay import Replay, _live, _replay_ids, _torch_capture_op
+from ._wire import sentinel
 
 __all__ = ["RoutedExpertsCapturer"]
 

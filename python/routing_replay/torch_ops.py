@@ -27,7 +27,7 @@ def _capture(
     row_offset: int,
     physical_to_logical: Optional[torch.Tensor],
 ) -> None:
-    from . import _live
+    from ._replay import _live
 
     target = _live.get(replay_id)
     if target is None:

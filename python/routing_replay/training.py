@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import from_base64_npy
+from ._wire import from_base64_npy
 
 __all__ = [
     "FINAL_TOKEN_RULES",

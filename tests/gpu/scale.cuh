@@ -1,5 +1,5 @@
 /// @file
-/// Realistic scale on CUDA (issue 11): randomized endless engine schedules at N_max 8192, L 48,
+/// Realistic scale on CUDA: randomized endless engine schedules at N_max 8192, L 48,
 /// K 8, E 128 (Qwen3-30B-A3B's shape), bit-exact against the reference model, device memory
 /// sampled (nothing is allocated after construction, so it must not grow). The schedule TUs run
 /// check_at_scale for their strategies (thousands of steps), and soak_at_scale (the CUDA soak,

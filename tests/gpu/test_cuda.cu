@@ -154,7 +154,7 @@ TEST_CASE("CUDA graph: a global-mode capture is not invalidated by the row worke
     check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
     replay.capture(0, ids, 64, cuda::stream_ref{stream});
     std::this_thread::sleep_for(std::chrono::milliseconds{10});
-    check(cudaStreamEndCapture(stream, &graph));  // cudaErrorStreamCaptureInvalidated before the fix
+    check(cudaStreamEndCapture(stream, &graph));  // cudaErrorStreamCaptureInvalidated if the worker's pinning broke the recording
     check(cudaGraphDestroy(graph));
   }
   // the worker is still pinning (or done), and a step's rows still land

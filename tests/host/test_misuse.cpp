@@ -38,7 +38,7 @@ TEST_CASE("the object may be handed from thread to thread between calls")
 }
 
 #if ROUTING_REPLAY_CHECK_THREADS
-// The detection is detail::thread_check (issue 11, item 6); release builds without
+// The detection is detail::thread_check; release builds without
 // ROUTING_REPLAY_CHECK_THREADS compile it out, and this test with it.
 TEST_CASE("a call from a second thread while the first is inside a blocking call is refused")
 {

@@ -98,7 +98,7 @@ TEST_CASE("request_registry: dense handles, reused with a new generation")
   CHECK(r[c].recorded_rows == 0);
 }
 
-TEST_CASE("step_planner: every rejection rule leaves nothing changed; an accepted plan becomes the record")
+TEST_CASE("step_validator: every rejection rule leaves nothing changed; step_planner: an accepted plan becomes the record")
 {
   planning<per_request_filer> p;
   const auto h = p.add("r");
@@ -442,7 +442,7 @@ TEST_CASE("copy_pipeline: async_event files the previous step at the next push; 
   CHECK(pipeline.size() == 0);
 }
 
-TEST_CASE("row_filer: first write wins, rows of a released request in flight are dropped, drafts resolve")
+TEST_CASE("row_claimer: first write wins; row_filer: rows of a released request in flight are dropped, drafts resolve")
 {
   planning<per_request_filer> p;
   const auto h = p.add("r");
@@ -474,6 +474,49 @@ TEST_CASE("row_filer: first write wins, rows of a released request in flight are
   CHECK(code_of([&] { p.filer.file(second, dirty, later.data(), p.requests); }) == rr::errc::missing_routing);
   p.filer.close(h, p.requests);
   CHECK(p.requests.size() == 0);
+}
+
+TEST_CASE("slot_pool: slots and blocks are checked; a fresh block's rows go stale; whole blocks go out and in")
+{
+  using store_type = rr::block_slot_storage::store<index_t>;  // a block_slot_store: its slot_pool's calls
+  store_type store{parts_config(), 4};                        // 8 blocks of 4 slots, rows of 4 ids
+  CHECK(store.num_blocks() == 8);
+  CHECK(store.block_elems() == 4 * 4);
+  store.begin_validation();
+  const std::vector<std::int64_t> slots{4, 5};
+  const std::vector<std::int64_t> again{5};
+  store.check_slots(slots, 2);
+  CHECK(code_of([&] { store.check_slots(again, 1); }) == rr::errc::slot_out_of_range);  // twice in one plan
+  store.begin_validation();
+  store.check_slots(again, 1);  // a new plan
+  const std::vector<std::int64_t> outside{32};
+  const std::vector<std::int64_t> no_block{8};
+  CHECK(code_of([&] { store.check_slot_range(outside); }) == rr::errc::slot_out_of_range);
+  CHECK(code_of([&] { store.check_blocks(no_block, "fresh"); }) == rr::errc::slot_out_of_range);
+
+  store.open(0);
+  store.reserve(0, 1, false);
+  const std::uint32_t generation = store.generation_of(4);
+  const auto claim               = store.claim(0, 0, 4, generation, 1, false);
+  REQUIRE(claim.dst != nullptr);
+  std::fill_n(claim.dst, 4, index_t{3});
+  store.set_filed_through(1);
+  std::vector<index_t> row(4);
+  CHECK(store.read(0, 0, row.data()));
+  CHECK(row == std::vector<index_t>(4, 3));
+  const std::vector<std::int64_t> block_1{1};
+  const std::vector<std::int64_t> block_2{2};
+  std::vector<index_t> out(16);
+  store.export_blocks(block_1, out.data());
+  CHECK(out[0] == 3);
+  CHECK(out[4] == -1);  // a slot never recorded holds the sentinel
+  store.refresh_blocks(block_1);
+  CHECK(store.generation_of(4) == generation + 1);
+  CHECK(!store.read(0, 0, row.data()));  // stale: it reads as missing, never as another request's row
+  store.import_blocks(block_2, out.data());
+  std::vector<index_t> back(16);
+  store.export_blocks(block_2, back.data());
+  CHECK(back == out);
 }
 
 TEST_CASE("position_pages: entries are written up to a request's size; a page comes back from the pool as it was")
@@ -592,7 +635,7 @@ TEST_CASE("row_arena: wait_until_ahead() returns once the worker holds every sup
   for (const auto& b : blocks) { arena.release(b); }
 }
 
-TEST_CASE("per-request rows: new positions are claimed as one range; a claimed one sends the run row by row")
+TEST_CASE("per_request_store: new positions are claimed as one range; a claimed one sends the run row by row")
 {
   using store_type = rr::per_request_storage::store<index_t>;
   store_type store{parts_config(), 4};
@@ -606,7 +649,7 @@ TEST_CASE("per-request rows: new positions are claimed as one range; a claimed o
   CHECK(store.claim(0, 3, -1, 0, 2, false).dst == nullptr);   // first write wins
 }
 
-TEST_CASE("per-request rows: a view stays valid as the request grows; a closed request's segments wait for its steps")
+TEST_CASE("request_ranges: a view stays valid as the request grows; a closed request's segments wait for its steps")
 {
   using store_type = rr::per_request_storage::store<index_t>;
   rr::replay_config config = parts_config();
@@ -652,7 +695,7 @@ TEST_CASE("per-request rows: a view stays valid as the request grows; a closed r
   CHECK(store.bytes_in_use() == 0);
 }
 
-TEST_CASE("per-request rows: parked ranges go back to the arena when growth would cross the limit")
+TEST_CASE("request_ranges: parked ranges go back to the arena when growth would cross the limit")
 {
   using store_type = rr::per_request_storage::store<index_t>;
   rr::replay_config config = parts_config();

@@ -1,6 +1,6 @@
 /// @file
 /// Deadlines inside a program. A hang cannot be recovered from, and a test that hangs stalls CI (or
-/// a lent machine's time limit) instead of failing it:
+/// a machine's time limit) instead of failing it:
 /// - within_deadline runs a piece of a test under a watchdog: past the deadline it names what hung
 ///   and aborts the process;
 /// - progress() is where a program (one rank of a multi-process run) says what it is doing or

@@ -28,7 +28,7 @@ namespace routing_replay::detail {
 /// hands the new positions' entries to a writer that fills them in full, so a step that maps new
 /// positions (every decode step and prefill chunk) writes each entry once and reads none: a refill
 /// of every page taken, then a claim reading each entry back, cost a prefill step a pass over 12
-/// KiB a page (9.22 of docs/performance.md).
+/// KiB a page (docs/performance.md).
 ///
 /// A request's first inline_pages page addresses sit in its own entry, so reaching a position there
 /// costs the same loads as an array per request would (a decoding batch reaches one position of
@@ -46,7 +46,7 @@ class position_pages {
   /// @brief Pages whose addresses a request's entry holds itself (4096 positions). Eight, not the
   /// seven that would fit one 64-byte line with the count: in the GPU engine loop, whose decoding
   /// positions run to 4096, seven made block-slot decode B1024 10 to 19 us slower (the eighth page
-  /// through the list, 9.21 of docs/performance.md).
+  /// through the list; docs/performance.md).
   static constexpr std::size_t inline_pages = 8;
 
   /// @brief A pool with `ready_pages` pages made, filled (so faulted in) and waiting.
