@@ -30,7 +30,8 @@ Scenarios:
                             memory (RSS) the store takes per filed block, once warm
 
 One JSON line per (implementation, scenario, backend): host_us_median/p90 (and begin_us, prepare_us:
-prepare_output + enqueue_cpu_copy, process_us: the wait + process_output), per_request_ns, minflt_per_step
+prepare_output + enqueue_cpu_copy, process_us: the wait + process_output; calls_us_median: each call
+alone, and the engine's own copy-stream and event work around enqueue_cpu_copy), per_request_ns, minflt_per_step
 (minor page faults of the engine's thread in the timed calls, median over steady-state steps; _mean:
 their mean; minflt_process_per_step_mean: the whole process's in the same window, background threads
 included, which may also fault outside it), correct, rows_checked; then one
@@ -206,17 +207,22 @@ class Impl:
                 sync()
             time.sleep(0.001)  # the host backend's worker threads finish, as a GPU would be idle
 
-    def enqueue(self, pending, num_sampled, num_rejected):
+    def enqueue(self, pending, num_sampled, num_rejected, clock):
+        """The engine's copy of one step: on a side copy stream with an event after it (CUDA), as
+        vLLM's output thread does. Returns (event or None, ns inside enqueue_cpu_copy alone)."""
         if not self.cuda:
+            t = clock()
             pending.enqueue_cpu_copy(num_sampled=num_sampled, num_rejected=num_rejected)
-            return None
+            return None, clock() - t
         torch = self.torch
         self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.copy_stream):
+            t = clock()
             pending.enqueue_cpu_copy(num_sampled=num_sampled, num_rejected=num_rejected)
+            inside = clock() - t
             event = torch.cuda.Event(blocking=True)
             event.record(self.copy_stream)
-        return event
+        return event, inside
 
 
 class Forward:
@@ -252,7 +258,8 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
     conn = impl.make(max_num_seqs, num_kv_blocks)
     rss1 = rss_bytes()
     forward = Forward(impl, peer_device)
-    times = {"host": [], "begin": [], "prepare": [], "process": []}
+    times = {"host": [], "begin": [], "prepare": [], "process": [], "prepare_output": [], "enqueue_cpu_copy": [],
+             "engine_copy_work": [], "wait": [], "process_output": []}
     faults, process_faults, requests_per_step, everyone = [], [], [], {}
     rss_filed = None
     for step in steps:
@@ -289,10 +296,12 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
         f2, p2 = faults_now()
         t2 = time.perf_counter_ns()
         pending = conn.prepare_output(batch)
-        event = impl.enqueue(pending, sampled, rejected)
+        t2a = time.perf_counter_ns()
+        event, enqueue_ns = impl.enqueue(pending, sampled, rejected, time.perf_counter_ns)
         t3 = time.perf_counter_ns()
         if event is not None:
             event.synchronize()
+        t3a = time.perf_counter_ns()
         out = pending.process_output()
         t4 = time.perf_counter_ns()
         f3, p3 = faults_now()
@@ -312,6 +321,12 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
             times["begin"].append((t1 - t0) / 1e3)
             times["prepare"].append((t3 - t2) / 1e3)
             times["process"].append((t4 - t3) / 1e3)
+            # each call alone; "engine" is the engine's own copy-stream and event work around the copy
+            times["prepare_output"].append((t2a - t2) / 1e3)
+            times["enqueue_cpu_copy"].append(enqueue_ns / 1e3)
+            times["engine_copy_work"].append((t3 - t2a - enqueue_ns) / 1e3)
+            times["wait"].append((t3a - t3) / 1e3)
+            times["process_output"].append((t4 - t3a) / 1e3)
             times["host"].append((t1 - t0 + t4 - t2) / 1e3)
             faults.append(f1 - f0 + f3 - f2)
             process_faults.append(p1 - p0 + p3 - p2)
@@ -325,6 +340,8 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
         "host_us_median": med(host), "host_us_p90": p90(host),
         "begin_us_median": med(times["begin"]), "prepare_us_median": med(times["prepare"]),
         "process_us_median": med(times["process"]),
+        "calls_us_median": {k: med(times[k]) for k in ("prepare_output", "enqueue_cpu_copy", "engine_copy_work", "wait",
+                                                       "process_output")},
         "per_request_ns": round(1e3 * med(host) / statistics.median(requests_per_step), 1) if host else None,
         "minflt_per_step": statistics.median(faults) if faults else None,
         "minflt_per_step_mean": round(statistics.fmean(faults), 2) if faults else None,
