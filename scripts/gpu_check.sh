@@ -77,6 +77,14 @@ if want tests; then
 build/gpu/tests/gpu_tests >"$OUT/gpu_tests.log" 2>&1; rc=$?
 note "gpu_tests: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/gpu_tests.log" | sed 's/\[doctest\] //')"
 [ $rc -eq 0 ] || status=1   # 77 (no GPU) is a failure on this machine
+# the GPU test programs of single parts (slot_rows_gpu_tests, ...), likewise
+for program in build/gpu/tests/*_gpu_tests; do
+  [ -x "$program" ] || continue
+  name=$(basename "$program")
+  "$program" >"$OUT/$name.log" 2>&1; rc=$?
+  note "$name: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/$name.log" | sed 's/\[doctest\] //')"
+  [ $rc -eq 0 ] || status=1
+done
 if command -v compute-sanitizer >/dev/null 2>&1; then
   # memcheck over the CUDA-graph and device-error tests (every kernel of the library runs there)
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 build/gpu/tests/gpu_tests \
