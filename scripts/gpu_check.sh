@@ -80,6 +80,7 @@ note "gpu_tests: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/gpu_tests.
 # the GPU test programs of single parts (slot_rows_gpu_tests, ...), likewise
 for program in build/gpu/tests/*_gpu_tests; do
   [ -x "$program" ] || continue
+  [ "$(basename "$program")" = multi_gpu_tests ] && continue  # two GPUs: scripts/gpu_check_multi.sh
   name=$(basename "$program")
   "$program" >"$OUT/$name.log" 2>&1; rc=$?
   note "$name: exit $rc | $(grep -E '^\[doctest\] test cases' "$OUT/$name.log" | sed 's/\[doctest\] //')"
