@@ -8,13 +8,13 @@
 /// computed on another instance) keeps that partial block out of the tier instead of failing, and a
 /// range that cannot be served names the request, the range and the block.
 ///
-/// Threads: the engine's thread calls everything here (one at a time): cursors, and the copy of a
-/// step's rows into request tails (at most block_size - 1 rows a request: a decode step's row, a
-/// prefill chunk's last partial block), which costs less there than handing it over. A filing
-/// thread (detail::filing_worker) updates the tier, in order: it copies full blocks in, retains,
-/// releases and evicts; a read of the tier waits for it first. A tail-pool slot whose block a
-/// filing task still reads is reused only after that task ran. A failed tier update fails the
-/// calls that update or read the tier after it.
+/// Threads: the engine's thread calls everything here (one at a time) and keeps the cursors; it
+/// reads and writes no rows of a step (outputs are views of them). A filing thread
+/// (detail::filing_worker) runs what each call hands it, in order: it copies rows into the tail
+/// pool (request tails, full blocks waiting for their keys), copies full blocks into the tier,
+/// retains, releases and evicts; a read of the tier or of a tail waits for it first. A tail-pool
+/// slot whose block a filing task still reads is reused only after that task ran. A failed tier
+/// update fails the calls that update or read the tier after it.
 ///
 /// This file holds the calls; begin_step's and the step's halves are in row_stream_steps.hpp.
 #pragma once
@@ -205,7 +205,7 @@ class row_streams {
     return pool_memory_.get() + static_cast<std::size_t>(slot) * block_bytes_;
   }
   [[nodiscard]] std::int32_t take_slot(handle h, std::int64_t block_start);
-  void stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count);
+  void stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count, detail::filing_task& task);
   void give_back_after_filing();
   void publish(detail::filing_task& task);
   void teardown(handle h, detail::filing_task& task);
@@ -225,7 +225,7 @@ class row_streams {
   struct aligned_free {
     void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
   };
-  std::unique_ptr<std::byte[], aligned_free> pool_memory_;  // cache-line aligned: tails are written around the cache
+  std::unique_ptr<std::byte[], aligned_free> pool_memory_;  // cache-line aligned: blocks copied whole
   std::unique_ptr<detail::filing_state> filing_;
   detail::filing_worker<detail::filing_task> worker_;  // after filing_: stops before it goes
   std::uint64_t generation_ = 0;

@@ -1,8 +1,8 @@
 /// @file
-/// What the row streams' filing thread does and owns: the tasks the engine's thread hands it (block
-/// keys into requests' key lists, one update of the block tier, which copies the blocks), each
-/// request's keys in block order, and the block tier itself. The engine's thread reads what it owns
-/// only while it is idle (after filing_worker::drain()).
+/// What the row streams' filing thread does and owns: the tasks the engine's thread hands it (rows
+/// into the tail pool, block keys into requests' key lists, one update of the block tier, which
+/// copies the blocks), each request's keys in block order, and the block tier itself. The engine's
+/// thread reads what it owns only while it is idle (after filing_worker::drain()).
 #pragma once
 
 #include <routing_replay/block_tier.hpp>
@@ -51,6 +51,14 @@ struct block_to_store {
   const std::byte* rows;    ///< its bytes
 };
 
+/// @brief Rows of a step copied into a tail-pool slot (a request's incomplete block, or a full block
+/// waiting for its key): the filing thread moves them, so the engine's thread writes no rows.
+struct row_copy {
+  std::byte* to;          ///< in the pool
+  const std::byte* from;  ///< in the step's rows
+  std::size_t bytes;      ///< how many
+};
+
 /// @brief Keys retained or released: one hash of the task in a generation (request < 0), or keys
 /// [first, first + count) of a request, in order or reversed.
 struct key_range {
@@ -63,9 +71,10 @@ struct key_range {
   bool reversed            = false;  ///< request range: last key first
 };
 
-/// @brief One hand-over to the filing thread, run in this order: key appends, the tier update (if
-/// `update`), then the requests whose keys are dropped.
+/// @brief One hand-over to the filing thread, run in this order: row copies into the pool, key
+/// appends, the tier update (if `update`), then the requests whose keys are dropped.
 struct filing_task {
+  std::vector<row_copy> copies;          ///< rows into pool slots (also when the update is dropped)
   std::vector<key_append> appends;       ///< keys requests gain
   std::vector<std::byte> hashes;         ///< the hashes appends and key ranges name
   bool update = false;                   ///< whether the task updates the tier
@@ -78,6 +87,7 @@ struct filing_task {
   /// @brief Empties the task, keeping capacity.
   void clear() noexcept
   {
+    copies.clear();
     appends.clear();
     hashes.clear();
     update = false;
@@ -90,7 +100,7 @@ struct filing_task {
   /// @brief Whether the task has anything to do.
   [[nodiscard]] bool empty() const noexcept
   {
-    return appends.empty() && !update && dropped.empty() && rows == nullptr;
+    return copies.empty() && appends.empty() && !update && dropped.empty() && rows == nullptr;
   }
 };
 
@@ -156,6 +166,7 @@ class filing_state {
   /// update is skipped (keys still follow their requests).
   void run(filing_task& task) noexcept
   {
+    for (const row_copy& c : task.copies) { std::memcpy(c.to, c.from, c.bytes); }
     try {
       for (const key_append& a : task.appends) {
         request_keys& keys = keys_of(a.request);

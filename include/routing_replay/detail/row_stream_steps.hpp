@@ -4,7 +4,6 @@
 /// are known, and the read-back of rows from the tier. Included by row_streams.hpp.
 #pragma once
 
-#include <routing_replay/detail/streaming_store.hpp>
 #include <routing_replay/row_streams.hpp>
 
 #include <algorithm>
@@ -271,7 +270,7 @@ void row_streams::commit(int step, const std::byte* rows, const std::int64_t* nu
         }
         const std::int64_t emit_start = r.emit_cursor;
         const std::size_t first       = completed_.size();
-        stage(h, capture_start, own_rows, count);
+        stage(h, capture_start, own_rows, count, task);
         const std::int64_t token_end = capture_start + count;
         r.capture_cursor             = token_end;
         r.captured                   = true;
@@ -346,7 +345,8 @@ inline std::int32_t row_streams::take_slot(handle h, std::int64_t block_start)
   return slot;
 }
 
-inline void row_streams::stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count)
+inline void row_streams::stage(handle h, std::int64_t token_start, const std::byte* rows, std::int64_t count,
+                               detail::filing_task& task)
 {
   if (token_start < 0) {
     throw stream_input_error{name(h) + ": token start " + std::to_string(token_start) + " is negative"};
@@ -379,9 +379,11 @@ inline void row_streams::stage(handle h, std::int64_t token_start, const std::by
                                std::to_string(r.tail_start + r.tail_length) + ", got " + std::to_string(position)};
     }
     const std::int64_t n = std::min(bs - local, count - offset);
-    // around the cache: the tail is read when its block is full, by the filing thread
-    detail::copy_streaming(pool_rows(r.tail_slot) + static_cast<std::size_t>(local) * row_bytes_, from,
-                           static_cast<std::size_t>(n) * row_bytes_);
+    // by the filing thread, which reads the tail when its block is full: the engine's thread neither
+    // reads the step's rows (a device's copy: not in its cache) nor writes the tail (a miss a row)
+    task.copies.push_back({pool_rows(r.tail_slot) + static_cast<std::size_t>(local) * row_bytes_, from,
+                           static_cast<std::size_t>(n) * row_bytes_});
+    rows_used_ = true;
     r.tail_length += static_cast<std::int32_t>(n);
     offset += n;
     if (r.tail_length == bs) {
@@ -437,7 +439,8 @@ inline void row_streams::publish(detail::filing_task& task)
       std::int32_t slot = c.slot;
       if (slot == detail::none) {  // a block of the step's rows waits in the pool for its key
         slot = take_slot(b.request, c.start);
-        std::memcpy(pool_rows(slot), c.rows, block_bytes_);
+        task.copies.push_back({pool_rows(slot), c.rows, block_bytes_});
+        rows_used_ = true;
       }
       keep(slot, c.start);
     }
@@ -477,7 +480,6 @@ inline void row_streams::attach_rows(detail::filing_task& task, step_rows_owner*
 
 inline void row_streams::submit(detail::filing_task& task)
 {
-  detail::streaming_stores_done();  // tails written around the cache, before the filing thread may read them
   if (!task.empty()) { worker_.submit(); }
 }
 
@@ -525,6 +527,7 @@ void row_streams::read_back(handle h, const pending_read& m, Sink& sink)
     tail_from = stored_end;
   }
   if (tail_from < m.end) {
+    worker_.drain();  // the filing thread writes tails
     if (r.tail_slot == detail::none || tail_from < r.tail_start || m.end > r.tail_start + r.tail_length) {
       throw error{errc::missing_routing,
                   name(h) + ": rows " + detail::range_text(tail_from, m.end) + " are neither stored nor in its tail (" +
