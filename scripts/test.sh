@@ -17,7 +17,8 @@
 #   after the CUDA build, several of which leave the second core idle (serial tests, the soak);
 # - the Python package exactly as a user installs it (a fresh virtual environment, pip install
 #   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
-#   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, and its pytest suite;
+#   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, with torch from PyPI (the vLLM
+#   and SGLang differential tests run those engines' code on the CPU), and its pytest suite;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct), a short run of the block-slot floor benchmark
 #   and the demo on a small run.
