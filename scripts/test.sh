@@ -32,7 +32,7 @@ echo "== build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # -O0 for the .cu files' host code: nvcc's g++ pass there is most of their build (a third less at
 # -O0), and in CI it runs only the demo's small run
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O0" >/dev/null
-ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench block_slot_floor_bench step_floor_bench soak header_checks)
+ci_targets=(gpu_tests slot_rows_gpu_tests engine_loop engine_loop_bench host_path_bench device_bench block_slot_floor_bench step_floor_bench soak header_checks)
 # the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
 if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
 cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"
