@@ -122,6 +122,11 @@ class step_snapshots {
     if (record.status_dirty) {  // a harvest whose copy never came left its reports
       Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, compute);
     }
+    // the kernel's device form moves whole words of D and of the ring slot, which must be aligned
+    // for them; checked on every backend and in direct mode too, so that the host backend fails
+    // where a GPU would fault
+    detail::require_word_aligned<detail::word16>(buffer_.whole().data_handle());
+    detail::require_word_aligned<typename detail::harvest_token_rows<Index, Out>::out_word>(snapshot(slot));
     const bool direct = kernels_write_host && host_rows != nullptr;
     Out* into         = direct ? host_rows : snapshot(slot);
     buffer_.end_step_with(num_rows, padded_rows, [&](auto d, detail::step_status* reports, std::int64_t reset_rows) {
