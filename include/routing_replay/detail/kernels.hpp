@@ -174,7 +174,8 @@ struct no_merge {
 /// rows [0, reset_rows) to the sentinel so the next forward may write D at once.
 ///
 /// One thread per (layer, row) "cell" of K ids, moved as `Word`s (16 bytes where a cell is a
-/// multiple of 16). Threads are ordered (row group, layer, row in group): a warp reads whole
+/// multiple of 16 and D and the snapshot start on 16 bytes: every cell's address is then a multiple
+/// of the word; capture_buffer::end_step() chooses). Threads are ordered (row group, layer, row in group): a warp reads whole
 /// 32-byte sectors of a layer's rows and writes contiguous runs of a token's row, for either
 /// layout, so D is read and written once at memory speed. Thread 0 also moves what capture paths
 /// reported during the forward into the step's status.

@@ -55,6 +55,10 @@ struct captured_layers {
 /// outside [0, E) (written around the capture path) out of range, and both read as 0; every other
 /// id is copied. Ids of rows [0, R) are reset to the sentinel. Thread 0 moves what the capture paths
 /// reported into the step's status (or drops it: `status` null) and zeroes it.
+///
+/// The device form moves a 16-byte word of D and its narrowed word (out_word) of the snapshot per
+/// thread: `buffer` must start on 16 bytes and `snapshot` on sizeof(out_word) (step_snapshots
+/// allocates its ring slots so). The host pass has no such need.
 template <class Index, class Out>
 struct harvest_token_rows {
   /// @brief Ids a thread handles: one 16-byte word of D.
