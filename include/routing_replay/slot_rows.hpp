@@ -363,13 +363,16 @@ class slot_rows {
 
   [[nodiscard]] std::size_t tail() const noexcept { return (head_ + ring_.size() - count_) % ring_.size(); }
 
-  // cells move as the widest word that divides a row
+  // rows move as the widest word that divides a row and that both the snapshot and the pool start
+  // on (both are allocations of their own, aligned far beyond 16 bytes; checked all the same)
   void scatter(place& p, stream_ref stream)
   {
     const std::size_t row_bytes = static_cast<std::size_t>(row_elems_) * sizeof(Index);
-    if (row_bytes % sizeof(detail::word16) == 0) {
+    const auto bases = reinterpret_cast<std::uintptr_t>(Backend::data(p.snapshot)) | reinterpret_cast<std::uintptr_t>(pool_);
+    const auto fits  = [&](std::size_t word) { return (row_bytes | bases) % word == 0; };
+    if (fits(sizeof(detail::word16))) {
       scatter_as<detail::word16>(p, stream);
-    } else if (row_bytes % sizeof(std::uint64_t) == 0) {
+    } else if (fits(sizeof(std::uint64_t))) {
       scatter_as<std::uint64_t>(p, stream);
     } else {
       scatter_as<Index>(p, stream);
