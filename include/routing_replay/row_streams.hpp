@@ -16,7 +16,9 @@
 /// slot whose block a filing task still reads is reused only after that task ran. A failed tier
 /// update fails the calls that update or read the tier after it.
 ///
-/// This file holds the calls; begin_step's and the step's halves are in row_stream_steps.hpp.
+/// This file declares the calls; they are defined in detail/row_stream_begin.hpp (construction,
+/// begin_step's half), detail/row_stream_steps.hpp (the step's half) and
+/// detail/row_stream_staging.hpp (the tail pool and the hand-over to the filing thread).
 #pragma once
 
 #include <routing_replay/block_tier.hpp>
@@ -247,4 +249,6 @@ class row_streams {
 
 }  // namespace routing_replay
 
+#include <routing_replay/detail/row_stream_begin.hpp>
 #include <routing_replay/detail/row_stream_steps.hpp>
+#include <routing_replay/detail/row_stream_staging.hpp>

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -14,6 +15,12 @@ namespace routing_replay::detail {
 
 /// @brief No handle, slot or cursor.
 inline constexpr std::int32_t none = -1;
+
+/// @brief Positions [a, b) as messages name them: "[a, b)".
+inline std::string range_text(std::int64_t a, std::int64_t b)
+{
+  return "[" + std::to_string(a) + ", " + std::to_string(b) + ")";
+}
 
 /// @brief One request's stream.
 struct stream_request {
