@@ -10,6 +10,8 @@
 #include <nanobind/ndarray.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstring>
 #include <string>
 
 namespace nb = nanobind;
@@ -65,6 +67,18 @@ struct dict_sink {
   }
 };
 
+/// A dict that takes `n` items without growing (a step's outputs: about one per request; grown from
+/// empty, a dict of a thousand items is rehashed eight times).
+PyObject* new_dict_for(std::size_t n)
+{
+#if PY_VERSION_HEX < 0x030D0000
+  return _PyDict_NewPresized(static_cast<Py_ssize_t>(n));
+#else
+  static_cast<void>(n);  // no public way to presize
+  return PyDict_New();
+#endif
+}
+
 std::string id_text(PyObject* id)
 {
   nb::object s = nb::steal(PyObject_Str(id));
@@ -77,10 +91,55 @@ std::string id_text(PyObject* id)
   return {utf8, static_cast<std::size_t>(size)};
 }
 
+/// A 1-D column of native integers through the buffer protocol (numpy arrays, bytes, array.array):
+/// one call where a nanobind ndarray cast builds a DLPack tensor first. False where the object
+/// offers no such buffer (the caller then goes the general way, which names what is wrong).
+bool read_native_int_buffer(nb::handle column, std::vector<std::int64_t>& out, std::size_t limit)
+{
+  if (PyObject_CheckBuffer(column.ptr()) == 0) { return false; }
+  Py_buffer view;
+  if (PyObject_GetBuffer(column.ptr(), &view, PyBUF_RECORDS_RO) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  const char* format = view.format != nullptr ? view.format : "B";
+  if (*format == '@' || *format == '=' || (*format == '<' && std::endian::native == std::endian::little)) { ++format; }
+  const char code = format[0];
+  const bool one  = code != '\0' && format[1] == '\0' && view.ndim == 1;
+  bool is_signed = false;
+  switch (one ? code : '\0') {
+    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': is_signed = true; break;
+    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': break;
+    default: PyBuffer_Release(&view); return false;
+  }
+  const auto n          = std::min<std::size_t>(static_cast<std::size_t>(view.shape[0]), limit);
+  const Py_ssize_t step = view.strides[0];
+  const auto* base      = static_cast<const char*>(view.buf);
+  out.resize(n);
+  auto copy = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t i = 0; i < n; ++i) {
+      T v;
+      std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * step, sizeof v);
+      out[i] = static_cast<std::int64_t>(v);
+    }
+  };
+  switch (view.itemsize) {
+    case 1: is_signed ? copy(std::int8_t{}) : copy(std::uint8_t{}); break;
+    case 2: is_signed ? copy(std::int16_t{}) : copy(std::uint16_t{}); break;
+    case 4: is_signed ? copy(std::int32_t{}) : copy(std::uint32_t{}); break;
+    case 8: is_signed ? copy(std::int64_t{}) : copy(std::uint64_t{}); break;
+    default: PyBuffer_Release(&view); return false;
+  }
+  PyBuffer_Release(&view);
+  return true;
+}
+
 }  // namespace
 
 void read_int64_column(nb::handle column, std::vector<std::int64_t>& out, const char* what, std::size_t limit)
 {
+  if (read_native_int_buffer(column, out, limit)) { return; }
   nb::ndarray<nb::ro, nb::ndim<1>, nb::device::cpu> array;
   if (nb::try_cast(column, array)) {
     const auto& t = array.dtype();
@@ -220,7 +279,7 @@ nb::object vllm_streams::process_output(pending_output& p)
     retire();
     throw;
   }
-  nb::object outputs = nb::steal(PyDict_New());
+  nb::object outputs = nb::steal(new_dict_for(n));
   if (!outputs.is_valid()) {
     retire();
     throw nb::python_error();
