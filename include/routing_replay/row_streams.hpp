@@ -247,8 +247,9 @@ class row_streams {
   std::vector<std::byte> read_scratch_;
   std::vector<block_key> key_scratch_;
   // row copies of at most this many bytes are made on the engine's thread when the filing thread
-  // is idle (submit()): about 40 rows of 48 x 8 ids, which cost less than a wake of that thread
-  static constexpr std::size_t inline_copy_bytes = std::size_t{16} << 10;
+  // is idle (submit()): about 85 rows of 48 x 8 ids, read from a device's copy and written to
+  // tails, cost about what a wake of that thread costs (a few microseconds)
+  static constexpr std::size_t inline_copy_bytes = std::size_t{32} << 10;
 };
 
 }  // namespace routing_replay
