@@ -162,7 +162,9 @@ void bind_slot_rows(nb::module_& m)
     .def_rw("page_size", &slot_rows_config::page_size, "tokens per KV page")
     .def_rw("steps_in_flight", &slot_rows_config::steps_in_flight, "steps whose scatter may be in flight at once")
     .def_rw("scatter_on_compute_stream", &slot_rows_config::scatter_on_compute_stream,
-            "run the scatter on the compute stream instead of a side stream");
+            "run the scatter on the compute stream instead of a side stream")
+    .def_rw("fused_scatter_max_rows", &slot_rows_config::fused_scatter_max_rows,
+            "steps of at most this many rows are stored by the end-of-step kernel itself (0: never)");
 
   nb::class_<slot_rows_handle>(m, "SlotRows",
                                "Rows stored at KV slots the device holds (routing_replay::slot_rows); internal: use "

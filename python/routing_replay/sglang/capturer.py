@@ -10,10 +10,12 @@ SGLang drives it so, per forward::
     cap.get_topk(req_pool_idx, seqlen, req_to_token_pool, start_len)   # a finished request
 
 Underneath, ``capture`` is the library's capture kernel (ids narrowed once to the narrowest index
-type that holds E plus the sentinel: uint8 for E <= 255), and ``on_forward_end`` enqueues two
-kernels and an event or two: the end-of-step kernel copies the step's KV slots (``out_cache_loc``,
-which stays on the GPU), checks and snapshots the rows and resets the device buffer; a scatter
-writes each row into a pinned, device-mapped pool of one row per KV slot. Nothing waits on either
+type that holds E plus the sentinel: uint8 for E <= 255), and ``on_forward_end`` enqueues one kernel
+and an event for a step of at most ``fused_scatter_max_rows`` rows (a decode step of a small batch):
+the end-of-step kernel reads the step's KV slots (``out_cache_loc``, which stays on the GPU), checks
+the rows, writes each into a pinned, device-mapped pool of one row per KV slot and resets the device
+buffer. A larger step takes two kernels and an event or two: the end-of-step kernel snapshots the
+rows and slots, and a scatter on a side stream writes them into the pool. Nothing waits on either
 path, and nothing is done per request or per row on the engine's thread. ``get_topk`` waits only for
 the steps the engine has finished with (the synchronous path's steps, the overlap path's finalized
 ones), then reads the pool at the request's slots and widens to int32.
@@ -105,8 +107,12 @@ class RoutedExpertsCapturer:
             cache); others read 0 and capturing them is an error.
         index: stored index type (default: the narrowest for E).
         steps_in_flight: steps whose scatter may still run (4).
-        scatter_on_compute_stream: run the scatter right after the end-of-step kernel on the
-            compute stream (one launch and no event wait on the host) instead of a side stream.
+        scatter_on_compute_stream: run the scatter of a step larger than ``fused_scatter_max_rows``
+            right after the end-of-step kernel on the compute stream (no event wait on the host)
+            instead of on a side stream.
+        fused_scatter_max_rows: steps of at most this many rows (64) are stored by the end-of-step
+            kernel itself, on the compute stream: one launch and one event record per step, where a
+            scattered step takes two launches, two records and a stream wait. 0: never.
     """
 
     @staticmethod
@@ -127,7 +133,7 @@ class RoutedExpertsCapturer:
     def __init__(self, model_config, num_tokens: int, max_running_requests: int, num_fused_shared_experts: int,
                  device, *, num_experts: int | None = None, max_batch_size: int | None = None, page_size: int = 1,
                  layers=None, index: str | None = None, steps_in_flight: int = 4,
-                 scatter_on_compute_stream: bool = False) -> None:
+                 scatter_on_compute_stream: bool = False, fused_scatter_max_rows: int = 64) -> None:
         _context.check_supported()
         text = model_config.hf_text_config
         self.num_fused_shared_experts = num_fused_shared_experts
@@ -152,6 +158,7 @@ class RoutedExpertsCapturer:
         config.page_size = int(page_size)
         config.steps_in_flight = steps_in_flight
         config.scatter_on_compute_stream = scatter_on_compute_stream
+        config.fused_scatter_max_rows = int(fused_scatter_max_rows)
         index = index or index_type_for(self.num_experts)
         backend, device_index = _parse_device(device)
         self._torch_op, self._compiling = _torch_capture_op(import_torch=True)
@@ -221,7 +228,8 @@ class RoutedExpertsCapturer:
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch, no_copy_to_cpu: bool = False):
         """Ends the forward just enqueued: its rows go to the KV slots ``forward_batch.out_cache_loc``
         (``out_cache_loc_virtual`` where set: a padded kernel batch stores its real tokens only), on
-        the device. Two kernels and an event or two; never waits.
+        the device. One kernel and an event (two kernels and an event or two above
+        ``fused_scatter_max_rows`` rows); never waits.
 
         Returns None (synchronous path: the previous step's error, if any, is raised here; its
         scatter, which in SGLang's synchronous scheduler finished before this forward was planned,
