@@ -17,7 +17,8 @@
 #   after the CUDA build, several of which leave the second core idle (serial tests, the soak);
 # - the Python package exactly as a user installs it (a fresh virtual environment, pip install
 #   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
-#   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, and its pytest suite;
+#   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, with torch from PyPI (the vLLM
+#   and SGLang differential tests run those engines' code on the CPU), and its pytest suite;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct), a short run of the block-slot floor benchmark
 #   and the demo on a small run.
@@ -31,7 +32,7 @@ echo "== build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # -O0 for the .cu files' host code: nvcc's g++ pass there is most of their build (a third less at
 # -O0), and in CI it runs only the demo's small run
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O0" >/dev/null
-ci_targets=(gpu_tests engine_loop engine_loop_bench host_path_bench device_bench block_slot_floor_bench step_floor_bench soak header_checks)
+ci_targets=(gpu_tests slot_rows_gpu_tests engine_loop engine_loop_bench host_path_bench device_bench block_slot_floor_bench step_floor_bench soak header_checks)
 # the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
 if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
 cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"
@@ -71,6 +72,12 @@ python_start=$(date +%s)
 "$python_venv/bin/pip" install -q "./python[plot]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
   -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
 echo "installed in $(( $(date +%s) - python_start )) s"
+# torch (PyPI's build; on a machine without a GPU it runs on the CPU): the vLLM and SGLang tests run
+# the engines' own released code, which needs it, beside ours (differential tests; they skip, saying
+# why, where that code is not beside the checkout). About 2 minutes, most of it download.
+torch_start=$(date +%s)
+"$python_venv/bin/pip" install -q torch
+echo "torch installed in $(( $(date +%s) - torch_start )) s"
 "$python_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 
 scripts/packaging_check.sh

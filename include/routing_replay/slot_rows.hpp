@@ -162,7 +162,7 @@ class slot_rows {
     }
     const std::int64_t padded = options.graph_replayed ? std::max(options.padded_rows, graph_rows_)
                                                        : std::max<std::int64_t>(options.padded_rows, 0);
-    const bool fused = num_rows <= config_.fused_scatter_max_rows;
+    const bool fused = config_.fused_scatter_max_rows > 0 && num_rows <= config_.fused_scatter_max_rows;
     try {
       if (fused) {
         store_step(p, slots, num_rows, padded, compute);
@@ -354,13 +354,16 @@ class slot_rows {
     detail::launch_store_step<Backend, Layout>(buffer_, args, padded, compute);
   }
 
-  // cells move as the widest word that divides a row
+  // rows move as the widest word that divides a row and that both the snapshot and the pool start
+  // on (both are allocations of their own, aligned far beyond 16 bytes; checked all the same)
   void scatter(place& p, stream_ref stream)
   {
     const std::size_t row_bytes = static_cast<std::size_t>(row_elems_) * sizeof(Index);
-    if (row_bytes % sizeof(detail::word16) == 0) {
+    const auto bases = reinterpret_cast<std::uintptr_t>(Backend::data(p.snapshot)) | reinterpret_cast<std::uintptr_t>(pool_);
+    const auto fits  = [&](std::size_t word) { return (row_bytes | bases) % word == 0; };
+    if (fits(sizeof(detail::word16))) {
       scatter_as<detail::word16>(p, stream);
-    } else if (row_bytes % sizeof(std::uint64_t) == 0) {
+    } else if (fits(sizeof(std::uint64_t))) {
       scatter_as<std::uint64_t>(p, stream);
     } else {
       scatter_as<Index>(p, stream);

@@ -210,12 +210,15 @@ class capture_buffer {
     // paths reported during the step into the step's status
     const std::int64_t reset_rows =
       std::max({num_rows, rows_this_step_, replayed, static_cast<std::int64_t>(merge.rows()), std::int64_t{0}});
-    // cells of K ids move as the widest word that divides them
+    // cells of K ids move as the widest word that divides them and that both D and the snapshot
+    // start on (a cell's offset is a whole number of cells, so the word fits every cell then)
     const std::size_t cell_bytes = static_cast<std::size_t>(top_k_) * sizeof(Index);
+    const auto bases = reinterpret_cast<std::uintptr_t>(Backend::data(buffer_)) | reinterpret_cast<std::uintptr_t>(snapshot);
+    const auto fits  = [&](std::size_t word) { return (cell_bytes | bases) % word == 0; };
     try {
-      if (cell_bytes % sizeof(detail::word16) == 0) {
+      if (fits(sizeof(detail::word16))) {
         harvest<detail::word16>(snapshot, status, num_rows, reset_rows, compute, merge);
-      } else if (cell_bytes % sizeof(std::uint64_t) == 0) {
+      } else if (fits(sizeof(std::uint64_t))) {
         harvest<std::uint64_t>(snapshot, status, num_rows, reset_rows, compute, merge);
       } else {
         harvest<Index>(snapshot, status, num_rows, reset_rows, compute, merge);

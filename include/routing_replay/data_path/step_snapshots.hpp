@@ -53,7 +53,8 @@ class step_snapshots {
       buffer_(config_, layers_),
       row_elems_(static_cast<std::int64_t>(num_layers) * top_k),
       depth_(ring_depth > 0 ? ring_depth : 1),
-      snapshots_(static_cast<std::size_t>(depth_) * static_cast<std::size_t>(max_rows) * static_cast<std::size_t>(row_elems_)),
+      slot_elems_(slot_elems(max_rows, row_elems_)),
+      snapshots_(static_cast<std::size_t>(depth_) * slot_elems_),
       statuses_(static_cast<std::size_t>(depth_)),
       host_statuses_(static_cast<std::size_t>(depth_)),
       harvested_(static_cast<std::size_t>(depth_)),
@@ -122,6 +123,11 @@ class step_snapshots {
     if (record.status_dirty) {  // a harvest whose copy never came left its reports
       Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, compute);
     }
+    // the kernel's device form moves whole words of D and of the ring slot, which must be aligned
+    // for them; checked on every backend and in direct mode too, so that the host backend fails
+    // where a GPU would fault
+    detail::require_word_aligned<detail::word16>(buffer_.whole().data_handle());
+    detail::require_word_aligned<typename detail::harvest_token_rows<Index, Out>::out_word>(snapshot(slot));
     const bool direct = kernels_write_host && host_rows != nullptr;
     Out* into         = direct ? host_rows : snapshot(slot);
     buffer_.end_step_with(num_rows, padded_rows, [&](auto d, detail::step_status* reports, std::int64_t reset_rows) {
@@ -184,10 +190,19 @@ class step_snapshots {
     return detail::validated_config<Index>(std::move(c));
   }
 
+  // Ids of a ring slot: N_max rows, rounded up to whole 16-byte words so that every slot starts
+  // where a word may (the kernel stores words of up to 16 bytes from a slot's start; a slot of 8
+  // rows of 3 uint8 ids, 24 bytes, would put the next one 8 bytes off). At most 15 bytes a slot.
+  static std::size_t slot_elems(std::int32_t max_rows, std::int64_t row_elems) noexcept
+  {
+    constexpr std::size_t per_word = sizeof(detail::word16) / sizeof(Out);
+    const std::size_t rows_elems   = static_cast<std::size_t>(max_rows > 0 ? max_rows : 0) * static_cast<std::size_t>(row_elems);
+    return (rows_elems + per_word - 1) / per_word * per_word;
+  }
+
   [[nodiscard]] Out* snapshot(std::int32_t slot) noexcept
   {
-    return Backend::data(snapshots_) + static_cast<std::size_t>(slot) * static_cast<std::size_t>(max_rows()) *
-                                         static_cast<std::size_t>(row_elems_);
+    return Backend::data(snapshots_) + static_cast<std::size_t>(slot) * slot_elems_;
   }
   [[nodiscard]] detail::step_status* status_device(std::int32_t slot) noexcept { return Backend::data(statuses_) + slot; }
 
@@ -214,7 +229,8 @@ class step_snapshots {
   capture_buffer<Backend, Index, token_major> buffer_;
   std::int64_t row_elems_;
   std::int32_t depth_;
-  typename Backend::template device_vector<Out> snapshots_;                     // [depth][N_max, L, K]
+  std::size_t slot_elems_;                                                      // N_max * L * K, rounded up to 16 bytes
+  typename Backend::template device_vector<Out> snapshots_;                     // [depth][N_max, L, K], slot_elems_ apart
   typename Backend::template device_vector<detail::step_status> statuses_;      // per slot, on the device
   typename Backend::template pinned_vector<detail::step_status> host_statuses_; // per slot, copied back
   std::vector<typename Backend::event> harvested_;

@@ -17,6 +17,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace routing_replay::detail {
@@ -27,14 +29,37 @@ struct alignas(16) word16 {
   std::uint64_t high;  ///< last 8 bytes
 };
 
+/// @brief Reports a word access at an address that is not a multiple of the word's alignment and
+/// aborts: on a GPU the same access faults ("misaligned address", a sticky error that ends the
+/// context), so a host run that gets here has found a shape the device cannot run.
+[[noreturn]] inline void misaligned_word(const void* at, std::size_t alignment) noexcept
+{
+  std::fprintf(stderr, "routing_replay: a %zu-byte word accessed at %p, which is not %zu-byte aligned "
+                       "(a CUDA kernel faults there with 'misaligned address')\n",
+               alignment, at, alignment);
+  std::abort();
+}
+
+/// @brief Aborts (misaligned_word()) unless `at` is aligned for a `Word`. On the host only: the
+/// device faults by itself. One test and a branch never taken per word.
+template <class Word>
+ROUTING_REPLAY_HOST_DEVICE void require_word_aligned([[maybe_unused]] const void* at) noexcept
+{
+#if !defined(__CUDA_ARCH__)
+  if (reinterpret_cast<std::uintptr_t>(at) % alignof(Word) != 0) [[unlikely]] { misaligned_word(at, alignof(Word)); }
+#endif
+}
+
 /// @brief Loads a word. Plain on the device (one wide access); through memcpy on the host, where
-/// reading ids as words would break strict aliasing.
+/// reading ids as words would break strict aliasing, after checking the address as the device
+/// would need it (require_word_aligned()).
 template <class Word>
 [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE Word load_word(const Word* at) noexcept
 {
 #if defined(__CUDA_ARCH__)
   return *at;
 #else
+  require_word_aligned<Word>(at);
   Word w;
   std::memcpy(&w, at, sizeof(Word));
   return w;
@@ -48,6 +73,7 @@ ROUTING_REPLAY_HOST_DEVICE void store_word(Word* at, const Word& w) noexcept
 #if defined(__CUDA_ARCH__)
   *at = w;
 #else
+  require_word_aligned<Word>(at);
   std::memcpy(at, &w, sizeof(Word));
 #endif
 }
@@ -148,7 +174,8 @@ struct no_merge {
 /// rows [0, reset_rows) to the sentinel so the next forward may write D at once.
 ///
 /// One thread per (layer, row) "cell" of K ids, moved as `Word`s (16 bytes where a cell is a
-/// multiple of 16). Threads are ordered (row group, layer, row in group): a warp reads whole
+/// multiple of 16 and D and the snapshot start on 16 bytes: every cell's address is then a multiple
+/// of the word; capture_buffer::end_step() chooses). Threads are ordered (row group, layer, row in group): a warp reads whole
 /// 32-byte sectors of a layer's rows and writes contiguous runs of a token's row, for either
 /// layout, so D is read and written once at memory speed. Thread 0 also moves what capture paths
 /// reported during the forward into the step's status.

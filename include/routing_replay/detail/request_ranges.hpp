@@ -3,6 +3,9 @@
 /// row_arena segments mapped one after the other, parked whole when the request closes and adopted
 /// by a later one, and where kernels reach its rows. per_request_store (per_request_store.hpp)
 /// derives from it and adds the claims: which positions hold a row, and reading them back.
+///
+/// About 470 lines, past the 450 of one idea: growth, parking and adoption act on the same range
+/// record and its invariants (a parked range is whole, adopted whole), so they stay in one file.
 #pragma once
 
 #include <routing_replay/config.hpp>

@@ -55,10 +55,17 @@ struct captured_layers {
 /// outside [0, E) (written around the capture path) out of range, and both read as 0; every other
 /// id is copied. Ids of rows [0, R) are reset to the sentinel. Thread 0 moves what the capture paths
 /// reported into the step's status (or drops it: `status` null) and zeroes it.
+///
+/// The device form moves a 16-byte word of D and its narrowed word (out_word) of the snapshot per
+/// thread: `buffer` must start on 16 bytes and `snapshot` on sizeof(out_word) (step_snapshots
+/// allocates its ring slots so). The host pass has no such need.
 template <class Index, class Out>
 struct harvest_token_rows {
   /// @brief Ids a thread handles: one 16-byte word of D.
   static constexpr std::int32_t ids = static_cast<std::int32_t>(16 / sizeof(Index));
+  /// @brief What a thread's word of D becomes in the snapshot: 16 bytes, or 8 where D is narrowed.
+  using out_word = cuda::std::conditional_t<sizeof(Out) * ids == 16, word16, std::uint64_t>;
+  static_assert(sizeof(Out) * ids == sizeof(out_word), "a word of D narrows to 16 or 8 bytes");
 
   Index* buffer;                 ///< D: rows [0, R) token-major from here
   Out* snapshot;                 ///< [N, L, K]
@@ -96,8 +103,6 @@ struct harvest_token_rows {
     const auto in = cuda::std::bit_cast<cuda::std::array<Index, ids>>(load_word(reinterpret_cast<const word16*>(buffer + first)));
     cuda::std::array<Out, ids> out{};
     for (std::int32_t j = 0; j < ids; ++j) { out[j] = checked(in[j], first + j); }
-    using out_word = cuda::std::conditional_t<sizeof(out) == 16, word16, std::uint64_t>;
-    static_assert(sizeof(out) == sizeof(out_word), "a word of D narrows to 16 or 8 bytes");
     store_word(reinterpret_cast<out_word*>(snapshot + first), cuda::std::bit_cast<out_word>(out));
     store_word(reinterpret_cast<word16*>(buffer + first), sentinel_word<Index, word16>());
   }
