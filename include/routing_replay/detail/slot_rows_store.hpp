@@ -133,8 +133,10 @@ struct store_step_args {
 
 /// @brief Ends a small step on `compute` with store_step_rows_kernel, through
 /// capture_buffer::end_step_with() (which accounts for the rows to reset as its own end of step).
-/// Cells move as the widest word that divides a cell and that D, the snapshot and the pool all start
-/// on; rows of one layer are grouped to fill 32-byte sectors, as capture_buffer's own kernel does.
+/// Cells move as the widest word that divides a cell (so a row too) and that D, the snapshot and the
+/// pool all start on: every cell's address in each is then a whole number of words, where a word
+/// access needs it (a GPU faults on a misaligned one); rows of one layer are grouped to fill 32-byte
+/// sectors, as capture_buffer's own kernel does.
 template <class Backend, class Layout, class Buffer, class Index, class Slot>
 void launch_store_step(Buffer& buffer, const store_step_args<Index, Slot>& a, std::int64_t padded_rows,
                        typename Backend::stream_ref compute)
