@@ -67,6 +67,33 @@ def index_type_for(num_experts: int) -> str:
     return "int32"
 
 
+def _never_hot_end(loc, graph, padded, check):
+    """on_forward_end's hot path before torch is imported: every array takes the general path."""
+    return None
+
+
+def _torch_hot_end(end_step, device_index: int, read_stream, stream_key):
+    """on_forward_end's hot path, as one flat function ``end(loc, graph, padded, check) -> serial``:
+    a contiguous 1-D integer tensor of KV slots on device `device_index` (-1: the CPU) goes to
+    ``end_step`` with torch's current raw stream; anything else returns None for the general path,
+    which checks and reports it. Flat, with closure constants, for the reason of
+    ``_arrays.torch_hot_capture``: a step of a small batch costs the host little else."""
+    tensor_type = sys.modules["torch"].Tensor
+    codes = _arrays._torch_dtype_codes()
+
+    def end(loc, graph: bool, padded: int, check: bool):
+        if type(loc) is not tensor_type:
+            return None
+        code = codes.get(loc.dtype)
+        shape = loc.shape
+        if code is None or len(shape) != 1 or loc.get_device() != device_index or (shape[0] > 1 and
+                                                                                   loc.stride(0) != 1):
+            return None
+        return end_step(loc.data_ptr(), code, shape[0], read_stream(stream_key), graph, padded, check)
+
+    return end
+
+
 class TopkCaptureOutput:
     """What :meth:`RoutedExpertsCapturer.on_forward_end` returns on the overlap path: a step whose
     rows a kernel is already writing into the host pool. It holds no device tensor."""
@@ -83,7 +110,10 @@ class TopkCaptureOutput:
     def finalize(self) -> None:
         """Waits for the step's scatter (done by now in practice) and raises, once, the error of the
         first refused step up to this one; from here on ``get_topk`` reads this step's rows."""
-        self._capturer._finalize(self.serial)
+        capturer, serial = self._capturer, self.serial
+        if serial > capturer._visible:  # inline, not a method: this runs once a step on the engine's thread
+            capturer._visible = serial
+        capturer._native.finalize(serial)
 
 
 class RoutedExpertsCapturer:
@@ -180,9 +210,12 @@ class RoutedExpertsCapturer:
         self._visible = 0  # the newest step whose rows get_topk may read
         self._codes = _arrays._torch_dtype_codes() if self._torch is not None else {}
         self._hot = _arrays.never_hot
+        self._hot_end = _never_hot_end
         if self._torch is not None:
             self._hot = _arrays.torch_hot_capture(self._native.capture, self._device_index, self.topk_size,
-                                                  read_stream, key, self._compiling)
+                                                  read_stream, key, self._compiling,
+                                                  widths=(self._device_width, self._routed_width))
+            self._hot_end = _torch_hot_end(self._native.end_step, self._device_index, read_stream, key)
         self._id = next(_replay_ids)
         _live[self._id] = self
         logger.info("routing_replay: routed experts of %d layers x top-%d stored at %d KV slots as %s, %.2f GB "
@@ -195,12 +228,12 @@ class RoutedExpertsCapturer:
     def capture(self, layer_id: int, topk_indices) -> None:
         """Records a MoE layer's top-k ids ``[n, K]`` or ``[n, K + shared]`` (the shared columns are
         dropped): one kernel on the current stream, CUDA-graph and torch.compile safe."""
+        if self._hot(layer_id, topk_indices):  # a tensor of either width: checked there, not read twice
+            return
         width = topk_indices.shape[1]
         if width != self._device_width and width != self._routed_width:
             raise ValueError(f"Captured top-k width {width} is neither the device width {self._device_width} "
                              f"nor its routed part {self._routed_width}")
-        if self._hot(layer_id, topk_indices):
-            return
         if self._torch_op is not None and self._compiling():
             self._torch_op(topk_indices, self._id, layer_id, -1, 0, None)
             return
@@ -235,27 +268,20 @@ class RoutedExpertsCapturer:
         scatter, which in SGLang's synchronous scheduler finished before this forward was planned,
         is waited for) or, with ``no_copy_to_cpu``, a :class:`TopkCaptureOutput` whose
         ``finalize()`` raises this step's error."""
-        full = forward_batch.out_cache_loc
-        loc = getattr(forward_batch, "out_cache_loc_virtual", None)
-        if loc is None:
-            loc = full
-        elif loc.shape[0] > full.shape[0]:
-            raise ValueError(f"out_cache_loc_virtual has {loc.shape[0]} slots, more than the "
-                             f"{full.shape[0]} rows the forward captured")
-        graph = bool(can_run_graph)
+        loc = forward_batch.out_cache_loc
+        virtual = getattr(forward_batch, "out_cache_loc_virtual", None)
+        if virtual is not None:
+            if virtual.shape[0] > loc.shape[0]:
+                raise ValueError(f"out_cache_loc_virtual has {virtual.shape[0]} slots, more than the "
+                                 f"{loc.shape[0]} rows the forward captured")
+            loc = virtual
+        graph = True if can_run_graph else False
         padded = int(cuda_graph_batch) if graph and cuda_graph_batch else 0
         check = not no_copy_to_cpu
         try:
-            if type(loc) is np.ndarray:
-                serial = self._native.end_step_array(loc, self._stream.handle, graph, padded, check)
-            else:
-                if loc.get_device() != self._device_index:
-                    raise ValueError(f"out_cache_loc is on device {loc.get_device()}, the capturer on "
-                                     f"{self._device_index}")
-                if loc.dim() != 1 or (loc.shape[0] > 1 and loc.stride(0) != 1):
-                    loc = loc.contiguous().reshape(-1)
-                serial = self._native.end_step(loc.data_ptr(), self._codes[loc.dtype], loc.shape[0],
-                                               self._read_stream(self._stream_key), graph, padded, check)
+            serial = self._hot_end(loc, graph, padded, check)
+            if serial is None:
+                serial = self._end_any(loc, graph, padded, check)
         except _core.Error:
             if check:  # an earlier step's error: this step was enqueued all the same
                 self._visible = self._native.last_step
@@ -265,10 +291,21 @@ class RoutedExpertsCapturer:
         self._visible = serial
         return None
 
-    def _finalize(self, serial: int) -> None:
-        if serial > self._visible:
-            self._visible = serial
-        self._native.finalize(serial)
+    def _end_any(self, loc, graph: bool, padded: int, check: bool) -> int:
+        """on_forward_end's general path: host arrays, and tensors the hot path declines (checked
+        here, copied where not contiguous)."""
+        if type(loc) is np.ndarray:
+            return self._native.end_step_array(loc, self._stream.handle, graph, padded, check)
+        if loc.get_device() != self._device_index:
+            raise ValueError(f"out_cache_loc is on device {loc.get_device()}, the capturer on "
+                             f"{self._device_index}")
+        code = self._codes.get(loc.dtype)
+        if code is None:
+            raise TypeError(f"out_cache_loc must hold integer KV slots, not {loc.dtype}")
+        if loc.dim() != 1 or (loc.shape[0] > 1 and loc.stride(0) != 1):
+            loc = loc.contiguous().reshape(-1)
+        return self._native.end_step(loc.data_ptr(), code, loc.shape[0], self._read_stream(self._stream_key), graph,
+                                     padded, check)
 
     # ---- results ------------------------------------------------------------------------------
 
