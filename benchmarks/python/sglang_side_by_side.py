@@ -24,13 +24,15 @@ produced. One JSON line per (impl, path, scenario):
   extract_us               get_topk per request (median)
   correct                  every request's [T, L, K] equals its ids
 
-impls: sglang (the peer), ours (side-stream scatter), ours_compute (the scatter on the compute
-stream: scatter_on_compute_stream=True). The peer is loaded from --peers, or where the tests look
+impls: sglang (the peer); ours (defaults: a step of at most 64 rows stored by the end-of-step
+kernel alone, one launch; a larger one scattered on a side stream); ours_compute (larger steps
+scattered on the compute stream: scatter_on_compute_stream=True); ours_unfused (every step scattered
+on a side stream by a second kernel: fused_scatter_max_rows=0, two launches at every size). The peer is loaded from --peers, or where the tests look
 (ROUTING_REPLAY_PEERS, <checkout>/.peers, <checkout>/../shared/peers).
 
 Usage:
   python3 benchmarks/python/sglang_side_by_side.py --device cuda|cpu [--steps 64] [--warmup 8]
-      [--scenarios decode_B1,...] [--impls sglang,ours,ours_compute] [--paths sync,overlap]
+      [--scenarios decode_B1,...] [--impls sglang,ours,ours_compute,ours_unfused] [--paths sync,overlap]
       [--pool-tokens N] [--prompt P] [--torch-threads T] [--peers PATH]
 """
 
@@ -122,9 +124,12 @@ def make(impl, peer, device, pool_tokens, max_requests):
         return cap, peer._PINNED_BYTES[0] - before
     from routing_replay.sglang import RoutedExpertsCapturer
 
+    options = {"ours": {}, "ours_compute": {"scatter_on_compute_stream": True},
+               "ours_unfused": {"fused_scatter_max_rows": 0}}
+    if impl not in options:
+        sys.exit(f"unknown impl {impl!r}: sglang, {', '.join(options)}")
     cap = RoutedExpertsCapturer(mc, num_tokens=pool_tokens, max_running_requests=max_requests,
-                                num_fused_shared_experts=0, device=device,
-                                scatter_on_compute_stream=impl == "ours_compute")
+                                num_fused_shared_experts=0, device=device, **options[impl])
     return cap, cap.pinned_bytes
 
 

@@ -2,7 +2,8 @@
 /// Rows stored at KV-cache slots that only the device knows: the engine hands each step's slots as a
 /// device array (SGLang's `out_cache_loc`), and a kernel writes every row straight into a pinned,
 /// device-mapped host pool indexed by slot. The host never sees the slots of a step: an end of step
-/// costs two launches and one or two event records, never a wait.
+/// costs one launch and one event record for a small step (the end-of-step kernel stores the rows
+/// itself), two launches and one or two event records for a larger one, never a wait.
 #pragma once
 
 #include <routing_replay/backend.hpp>
@@ -11,9 +12,11 @@
 #include <routing_replay/detail/slot_rows_errors.hpp>
 #include <routing_replay/detail/slot_rows_kernels.hpp>
 #include <routing_replay/detail/slot_rows_reader.hpp>
+#include <routing_replay/detail/slot_rows_store.hpp>
 #include <routing_replay/detail/validate_config.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
+#include <routing_replay/slot_rows_config.hpp>
 
 #include <algorithm>
 #include <concepts>
@@ -29,44 +32,6 @@
 
 namespace routing_replay {
 
-/// @brief Sizes and choices of a slot_rows.
-struct slot_rows_config {
-  /// @brief E: routed experts; valid ids are [0, E).
-  std::int32_t num_experts = 0;
-  /// @brief K: ids kept per row and layer.
-  std::int32_t top_k = 0;
-  /// @brief Columns after the first K of a router output (fused shared experts), skipped.
-  std::int32_t num_fused_shared_experts = 0;
-  /// @brief N_max: the most rows (tokens) one step may have, padding of a CUDA graph included.
-  std::int32_t max_tokens_per_step = 0;
-  /// @brief Layers of the model; a read returns this many per row.
-  std::int32_t num_model_layers = 0;
-  /// @brief The model layers the pool keeps (the layer map); empty: every layer. Layers outside it
-  /// read as slot_read_options::uncaptured_value, and capturing them is an error.
-  std::vector<std::int32_t> layers;
-  /// @brief Slots of the engine's KV pool: the pool holds one row per slot.
-  std::int64_t num_slots = 0;
-  /// @brief Tokens per KV page of the engine (informative: rows live at slots, which pages group).
-  std::int32_t page_size = 1;
-  /// @brief Steps that may be in flight at once (each has a device snapshot of its rows); an end of
-  /// step waits for the oldest only when all are.
-  std::int32_t steps_in_flight = 4;
-  /// @brief Run the scatter on the compute stream right after the end-of-step kernel, instead of on
-  /// a side stream after an event: one event call less on the host, the PCIe writes on the compute
-  /// stream.
-  bool scatter_on_compute_stream = false;
-};
-
-/// @brief What the engine says about the forward a step ends.
-struct slot_step_options {
-  /// @brief The forward replayed a CUDA graph: its capture kernels wrote rows the host never saw
-  /// handed out, up to the rows they were recorded with (every graph recorded so far counts).
-  bool graph_replayed = false;
-  /// @brief Rows the forward's capture paths wrote beyond the step's own (a padded batch), if the
-  /// engine knows; 0 otherwise.
-  std::int64_t padded_rows = 0;
-};
-
 /// @brief A step's rows, captured into the device buffer D during the forward, stored at the KV slots
 /// the device holds, in a pinned host pool `[num_slots, L, K]` of `Index` that a kernel writes.
 ///
@@ -74,9 +39,11 @@ struct slot_step_options {
 /// enqueues, on `compute`, the end-of-step kernel that checks rows [0, N), snapshots them and the
 /// step's slots (the engine may reuse its array at once) and resets D, and then the scatter (on a
 /// side stream after an event, or on `compute`) that writes each row at its slot and publishes the
-/// step's status. Nothing waits. A step is retired when the host sees its scatter done (poll(),
-/// wait()); a failed step (an invalid id, a row of a captured layer left unwritten, a slot outside
-/// the pool) left the sentinel at its slots, and its error is thrown once by throw_failure().
+/// step's status; a step of at most slot_rows_config::fused_scatter_max_rows rows is checked,
+/// stored and published by the end-of-step kernel alone. Nothing waits. A step is retired when the
+/// host sees its scatter done (poll(), wait()); a failed step (an invalid id, a row of a
+/// captured layer left unwritten, a slot outside the pool) left the sentinel at its slots, and its
+/// error is thrown once by throw_failure().
 ///
 /// A layer no capture path was ever handed (a dense layer in a pool sized for every layer) is not
 /// checked and reads as slot_read_options::uncaptured_value; once a layer has been handed to a
@@ -195,11 +162,16 @@ class slot_rows {
     }
     const std::int64_t padded = options.graph_replayed ? std::max(options.padded_rows, graph_rows_)
                                                        : std::max<std::int64_t>(options.padded_rows, 0);
-    detail::slot_step_status* status = Backend::data(p.status);
-    const detail::copy_step_slots<Slot> merge{slots, Backend::data(p.slots), &status->bad_slot, config_.num_slots,
-                                              static_cast<std::int32_t>(num_rows), reader_.required_layers()};
+    const bool fused = config_.fused_scatter_max_rows > 0 && num_rows <= config_.fused_scatter_max_rows;
     try {
-      buffer_.end_step(Backend::data(p.snapshot), &status->rows, num_rows, padded, compute, merge);
+      if (fused) {
+        store_step(p, slots, num_rows, padded, compute);
+      } else {
+        detail::slot_step_status* status = Backend::data(p.status);
+        const detail::copy_step_slots<Slot> merge{slots, Backend::data(p.slots), &status->bad_slot, config_.num_slots,
+                                                  static_cast<std::int32_t>(num_rows), reader_.required_layers()};
+        buffer_.end_step(Backend::data(p.snapshot), &status->rows, num_rows, padded, compute, merge);
+      }
     } catch (...) {
       buffer_.begin_step(0, compute);  // resets what the step's captures wrote before the next one
       throw;
@@ -211,14 +183,15 @@ class slot_rows {
     head_       = (head_ + 1) % ring_.size();
     ++count_;
     try {
-      if (config_.scatter_on_compute_stream) {
-        scatter(p, compute);
+      if (fused || config_.scatter_on_compute_stream) {
+        if (!fused) { scatter(p, compute); }
         Backend::record(p.scattered, compute);
       } else {
         Backend::record(p.snapshot_taken, compute);
         Backend::wait(side_.ref(), p.snapshot_taken);
         scatter(p, side_.ref());
         Backend::record(p.scattered, side_.ref());
+        last_side_ = &p;
       }
     } catch (const error& e) {
       // the step is in the ring: it fails when retired, and its place is zeroed before reuse
@@ -344,6 +317,9 @@ class slot_rows {
     if (c.num_slots <= 0) { fail("num_slots must be > 0, got " + std::to_string(c.num_slots)); }
     if (c.page_size <= 0) { fail("page_size must be > 0, got " + std::to_string(c.page_size)); }
     if (c.steps_in_flight < 1) { fail("steps_in_flight must be >= 1, got " + std::to_string(c.steps_in_flight)); }
+    if (c.fused_scatter_max_rows < 0) {
+      fail("fused_scatter_max_rows must be >= 0, got " + std::to_string(c.fused_scatter_max_rows));
+    }
     (void)detail::validated_config<Index>(buffer_config(c));  // E, K, N_max, the layer map
     return c;
   }
@@ -362,6 +338,21 @@ class slot_rows {
   }
 
   [[nodiscard]] std::size_t tail() const noexcept { return (head_ + ring_.size() - count_) % ring_.size(); }
+
+  // A small step's end-of-step kernel, which stores its rows itself. It writes the pool on `compute`:
+  // a larger step's scatter still running on the side stream may write the same slots, so `compute`
+  // waits for it first (only right after such a step: rare in decode).
+  template <class Slot>
+  void store_step(place& p, const Slot* slots, std::int64_t num_rows, std::int64_t padded, stream_ref compute)
+  {
+    if (last_side_ != nullptr && last_side_->in_flight) { Backend::wait(compute, last_side_->scattered); }
+    last_side_ = nullptr;
+    const detail::store_step_args<Index, Slot> args{slots, pool_, Backend::data(p.snapshot), Backend::data(p.status),
+                                                   Backend::data(p.published), Backend::data(p.blocks_done),
+                                                   config_.num_slots, row_elems_, static_cast<std::int32_t>(num_rows),
+                                                   config_.top_k, config_.num_experts, reader_.required_layers()};
+    detail::launch_store_step<Backend, Layout>(buffer_, args, padded, compute);
+  }
 
   // rows move as the widest word that divides a row and that both the snapshot and the pool start
   // on (both are allocations of their own, aligned far beyond 16 bytes; checked all the same)
@@ -434,6 +425,7 @@ class slot_rows {
   std::uint64_t serial_          = 0;
   std::uint64_t retired_through_ = 0;
   std::int64_t graph_rows_       = 0;  // most rows handed to capture() while a graph was recorded
+  place* last_side_              = nullptr;  // the newest step scattered on the side stream, if any
   std::deque<failed_step> failures_;
 };
 

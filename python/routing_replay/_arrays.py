@@ -115,7 +115,7 @@ def _torch_dtype_codes() -> dict[Any, int]:
     return {dtype: code for dtype, code in dtypes if isinstance(dtype, torch.dtype)}
 
 
-def torch_hot_capture(launch, device_index: int, top_k: int, read_stream, stream_key, is_compiling):
+def torch_hot_capture(launch, device_index: int, top_k: int, read_stream, stream_key, is_compiling, widths=None):
     """capture()'s hot path for torch tensors, as one flat function ``hot(layer, t) -> bool``.
 
     A plain 2-D integer tensor on device `device_index` (-1: the CPU) whose rows hold at least `top_k`
@@ -124,10 +124,29 @@ def torch_hot_capture(launch, device_index: int, top_k: int, read_stream, stream
     anything else, or a call while torch.compile traces, returns False for the general path, which
     describes, checks and reports it. Flat on purpose: every value it needs is a closure constant and
     a call is five reads of the tensor and one native call, where method layers, an argument tuple
-    and a stream closure cost about a microsecond more (docs/performance.md). Needs torch
-    imported."""
+    and a stream closure cost about a microsecond more (docs/performance.md). `widths`: a pair of the
+    only row widths allowed (others return False, for the general path to reject), so that the
+    caller need not read the shape again. Needs torch imported."""
     tensor_type = sys.modules["torch"].Tensor
     codes = _torch_dtype_codes()
+    if widths is not None:
+        first, second = widths
+
+        def hot_of_widths(layer: int, t) -> bool:
+            if type(t) is not tensor_type or is_compiling():
+                return False
+            code = codes.get(t.dtype)
+            shape = t.shape
+            if code is None or len(shape) != 2 or (shape[1] != first and shape[1] != second) or \
+                    t.get_device() != device_index:
+                return False
+            row_stride, col_stride = t.stride()
+            if col_stride != 1 or (row_stride < shape[1] and shape[0] > 1):
+                return False
+            launch(layer, t.data_ptr(), code, shape[0], max(row_stride, shape[1]), read_stream(stream_key))
+            return True
+
+        return hot_of_widths
 
     def hot(layer: int, t) -> bool:
         if type(t) is not tensor_type or is_compiling():  # torch.compile traces the custom op instead

@@ -85,9 +85,20 @@ void capture(slot_rows_handle& h, std::int32_t layer, std::uintptr_t data, std::
   s.enqueue([copy] {});
 }
 
+/// Retires the steps already done and, if `serial` is not among them, waits for it without the GIL.
+/// A done step costs no wait and no GIL hand-over: the common case, once a step a little older than
+/// the newest (the synchronous path's) or its copy's event (the overlap path's) has been waited for
+/// by the engine.
+void retire_through(slot_rows_handle& h, std::uint64_t serial)
+{
+  if (h.impl->poll() >= serial) { return; }
+  nb::gil_scoped_release unlocked;
+  h.impl->wait(serial);
+}
+
 /// An end of step; on the host backend the step's slots are read at once (idle stream) or copied.
 /// `check`: then retire the steps before it (waiting for their scatters) and those already done, and
-/// raise the first failure among them.
+/// raise the first failure among the steps before it.
 std::uint64_t end_step(slot_rows_handle& h, std::uintptr_t slots, std::int32_t dtype, std::int64_t rows,
                        std::uintptr_t stream, bool graph_replayed, std::int64_t padded_rows, bool check)
 {
@@ -113,12 +124,10 @@ std::uint64_t end_step(slot_rows_handle& h, std::uintptr_t slots, std::int32_t d
   }
   if (check) {
     // the synchronous path: the previous step's forward has run (the engine read its tokens), so its
-    // scatter is done or nearly; a step's error is raised by the next end of step, every time
-    {
-      nb::gil_scoped_release unlocked;
-      h.impl->wait(serial - 1);
-    }
-    h.impl->throw_failure(h.impl->poll());
+    // scatter is done or nearly; a step's error is raised by the next end of step, every time (never
+    // by its own, even where it is done by now: a host stream runs an idle step inline)
+    retire_through(h, serial - 1);
+    h.impl->throw_failure(serial - 1);
   }
   return serial;
 }
@@ -162,7 +171,9 @@ void bind_slot_rows(nb::module_& m)
     .def_rw("page_size", &slot_rows_config::page_size, "tokens per KV page")
     .def_rw("steps_in_flight", &slot_rows_config::steps_in_flight, "steps whose scatter may be in flight at once")
     .def_rw("scatter_on_compute_stream", &slot_rows_config::scatter_on_compute_stream,
-            "run the scatter on the compute stream instead of a side stream");
+            "run the scatter on the compute stream instead of a side stream")
+    .def_rw("fused_scatter_max_rows", &slot_rows_config::fused_scatter_max_rows,
+            "steps of at most this many rows are stored by the end-of-step kernel itself (0: never)");
 
   nb::class_<slot_rows_handle>(m, "SlotRows",
                                "Rows stored at KV slots the device holds (routing_replay::slot_rows); internal: use "
@@ -218,10 +229,7 @@ void bind_slot_rows(nb::module_& m)
          "Raises, once, the first failure of the retired steps up to `serial`.")
     .def("finalize",
          [](slot_rows_handle& h, std::uint64_t serial) {
-           {
-             nb::gil_scoped_release unlocked;
-             h.impl->wait(serial);
-           }
+           retire_through(h, serial);
            h.impl->throw_failure(serial);
          },
          "serial"_a, "wait(serial), then throw_failure(serial).")

@@ -69,14 +69,15 @@ def b64_of(tensor):
     return peer().pybase64.b64encode(tensor.numpy().tobytes()).decode("utf-8")
 
 
-def run_trace(backend, seed, path, *, steps=70, stats=None, **engine_args):
+def run_trace(backend, seed, path, *, steps=70, stats=None, ours=None, **engine_args):
     """Drives both capturers through one engine trace; returns how many requests were compared (and
-    adds the engine's feature counts to `stats`)."""
+    adds the engine's feature counts to `stats`). `ours`: extra keywords of our capturer."""
     rng = np.random.default_rng(seed)
     engine = SimEngine(rng, **engine_args)
     dev = torch_device(backend)
     mine, theirs = pair(backend, layers=engine.num_layers, top_k=engine.top_k, experts=engine.num_experts,
-                        num_tokens=engine.num_tokens, shared=engine.shared, page_size=engine.page_size)
+                        num_tokens=engine.num_tokens, shared=engine.shared, page_size=engine.page_size,
+                        **(ours or {}))
     caps = (mine, theirs)
     overlap = path == "overlap"
     pending = []
@@ -132,6 +133,15 @@ def run_trace(backend, seed, path, *, steps=70, stats=None, **engine_args):
 @pytest.mark.parametrize("seed", range(4))
 def test_random_traces_match_sglang(backend, path, seed):
     assert run_trace(backend, seed, path) > 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", ["sync", "overlap"])
+@pytest.mark.parametrize("fused", [0, 8])
+def test_traces_match_sglang_with_steps_scattered(backend, path, fused):
+    # the traces' steps (at most a chunk of 24 rows) are all stored by the end-of-step kernel by
+    # default: here every step is scattered (0), or those above 8 rows are
+    assert run_trace(backend, 5, path, ours={"fused_scatter_max_rows": fused}) > 5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,6 +1,7 @@
 // slot_rows on a GPU: the capture kernel, the end-of-step kernel reading the step's slots from device
 // memory, and the scatter writing the pinned, device-mapped pool, eager and from a CUDA graph replayed
-// with padded batches, for every stored index type and both scatter placements; device-detected
+// with padded batches, for every stored index type and every way a step reaches the pool (a scatter
+// on a side stream or the compute stream, the end-of-step kernel itself); device-detected
 // problems (a slot outside the pool, a captured layer left unwritten) refuse their step. The host never
 // sees a step's slots. Returns 77 (CTest: skipped) when no GPU is present.
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -150,6 +151,47 @@ TEST_CASE_TEMPLATE("CUDA slot_rows: eager steps land at the slots the device hol
   }
 }
 
+TEST_CASE("CUDA slot_rows: steps stored by the end-of-step kernel alone and scattered ones interleave")
+{
+  // 0: every step scattered; 32: steps of 1..96 rows both ways; max_rows: every step stored by one kernel
+  for (const std::int32_t fused_rows : {0, 32, max_rows}) {
+    for (const bool on_compute : {false, true}) {
+      CAPTURE(fused_rows);
+      CAPTURE(on_compute);
+      rr::cuda_stream compute;
+      device_inputs in;
+      rr::slot_rows_config c   = gpu_config(on_compute);
+      c.fused_scatter_max_rows = fused_rows;
+      rr::slot_rows<rr::cuda_backend, std::uint16_t> rows{c};
+      std::mt19937_64 rng{static_cast<std::uint64_t>(fused_rows + (on_compute ? 1 : 0))};
+      std::vector<std::int64_t> step_of(256, -1);  // steps keep rewriting slots [0, 256)
+      std::vector<std::uint64_t> serials;
+      for (std::int64_t step = 1; step <= 40; ++step) {
+        std::vector<std::int64_t> slots;
+        const auto n = static_cast<std::size_t>(1 + rng() % 96);
+        while (slots.size() < n) {
+          const auto s = static_cast<std::int64_t>(rng() % 256);
+          if (std::find(slots.begin(), slots.end(), s) == slots.end()) { slots.push_back(s); }
+        }
+        in.upload(slots, step, compute.get());
+        for (std::int32_t l = 1; l < num_layers; ++l) {
+          rows.capture(l, in.layer(l), static_cast<std::int64_t>(slots.size()), compute.ref(), top_k + 1);
+        }
+        serials.push_back(rows.end_step(in.slots, static_cast<std::int64_t>(slots.size()), compute.ref()));
+        for (const std::int64_t s : slots) { step_of[static_cast<std::size_t>(s)] = step; }
+        if (step % 5 == 0) {  // otherwise several steps stay in flight, rewriting the same slots
+          rows.wait(serials.back());
+          for (std::int64_t s = 0; s < 256; ++s) {
+            if (step_of[static_cast<std::size_t>(s)] >= 0) { check_read(rows, {s}, step_of[static_cast<std::size_t>(s)]); }
+          }
+        }
+      }
+      rows.wait(serials.back());
+      CHECK_NOTHROW(rows.throw_failure(serials.back()));
+    }
+  }
+}
+
 TEST_CASE("CUDA slot_rows: a forward recorded once in a graph, replayed with padded batches")
 {
   for (const bool on_compute : {false, true}) {
@@ -182,28 +224,33 @@ TEST_CASE("CUDA slot_rows: a forward recorded once in a graph, replayed with pad
 
 TEST_CASE("CUDA slot_rows: a slot outside the pool and a captured layer left unwritten refuse their steps")
 {
-  rr::cuda_stream compute;
-  device_inputs in;
-  rr::slot_rows<rr::cuda_backend, std::uint8_t> rows{gpu_config(false)};
-  in.upload({3, pool_slots + 9}, 1, compute.get());
-  for (std::int32_t l = 1; l < num_layers; ++l) { rows.capture(l, in.layer(l), 2, compute.ref(), top_k + 1); }
-  const std::uint64_t bad_slot = rows.end_step(in.slots, 2, compute.ref());
-  in.upload({5, 6}, 2, compute.get());
-  for (std::int32_t l = 1; l < num_layers - 1; ++l) { rows.capture(l, in.layer(l), 2, compute.ref(), top_k + 1); }
-  const std::uint64_t missing_layer = rows.end_step(in.slots, 2, compute.ref());
-  rows.wait(missing_layer);
-  for (const auto& [serial, code] : {std::pair{bad_slot, rr::errc::slot_out_of_range},
-                                     std::pair{missing_layer, rr::errc::missing_routing}}) {
-    try {
-      rows.throw_failure(serial);
-      FAIL("no error");
-    } catch (const rr::error& e) {
-      CHECK(e.code() == code);
+  for (const std::int32_t fused_rows : {0, 64}) {  // refused by the scatter, by the end-of-step kernel
+    CAPTURE(fused_rows);
+    rr::cuda_stream compute;
+    device_inputs in;
+    rr::slot_rows_config c   = gpu_config(false);
+    c.fused_scatter_max_rows = fused_rows;
+    rr::slot_rows<rr::cuda_backend, std::uint8_t> rows{c};
+    in.upload({3, pool_slots + 9}, 1, compute.get());
+    for (std::int32_t l = 1; l < num_layers; ++l) { rows.capture(l, in.layer(l), 2, compute.ref(), top_k + 1); }
+    const std::uint64_t bad_slot = rows.end_step(in.slots, 2, compute.ref());
+    in.upload({5, 6}, 2, compute.get());
+    for (std::int32_t l = 1; l < num_layers - 1; ++l) { rows.capture(l, in.layer(l), 2, compute.ref(), top_k + 1); }
+    const std::uint64_t missing_layer = rows.end_step(in.slots, 2, compute.ref());
+    rows.wait(missing_layer);
+    for (const auto& [serial, code] : {std::pair{bad_slot, rr::errc::slot_out_of_range},
+                                       std::pair{missing_layer, rr::errc::missing_routing}}) {
+      try {
+        rows.throw_failure(serial);
+        FAIL("no error");
+      } catch (const rr::error& e) {
+        CHECK(e.code() == code);
+      }
     }
-  }
-  std::vector<std::int32_t> out(num_layers * top_k);
-  for (const std::int64_t slot : {3, 5}) {
-    CHECK_THROWS_AS(rows.read<std::int32_t>(std::span<const std::int64_t>{&slot, 1}, out.data()), rr::error);
+    std::vector<std::int32_t> out(num_layers * top_k);
+    for (const std::int64_t slot : {3, 5}) {
+      CHECK_THROWS_AS(rows.read<std::int32_t>(std::span<const std::int64_t>{&slot, 1}, out.data()), rr::error);
+    }
   }
 }
 

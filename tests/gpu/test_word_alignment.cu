@@ -3,8 +3,8 @@
 // ("misaligned address", a sticky error), so each case ends by checking that the device is still
 // clean. step_snapshots (vLLM's path) with ring slots of an odd number of bytes and D narrowed to
 // uint8; capture_buffer's end of step into snapshots at every offset within 16 bytes; slot_rows
-// (SGLang's path) with rows of 1, 3, 6 and 16 bytes. Part of gpu_tests (its main returns 77 without
-// a GPU).
+// (SGLang's path) with rows of 1, 3, 6 and 16 bytes, its steps scattered and stored by the
+// end-of-step kernel, and a refused one. Part of gpu_tests (its main returns 77 without a GPU).
 #include "../support/word_shapes.hpp"
 
 #include <routing_replay/cuda_backend.cuh>
@@ -69,13 +69,19 @@ TEST_CASE_TEMPLATE("CUDA word alignment: capture_buffer's end of step into a sna
   }
 }
 
-TEST_CASE_TEMPLATE("CUDA word alignment: slot_rows with rows of 1, 3, 6 and 16 bytes", Index, std::uint8_t,
-                   std::uint16_t, std::int32_t)
+TEST_CASE_TEMPLATE("CUDA word alignment: slot_rows with rows of 1, 3, 6 and 16 bytes, scattered and stored by the "
+                   "end-of-step kernel",
+                   Index, std::uint8_t, std::uint16_t, std::int32_t)
 {
   for (const auto& [layers, top_k] : {std::pair{1, 1}, std::pair{3, 1}, std::pair{1, 3}, std::pair{2, 8}, std::pair{48, 8}}) {
     CAPTURE(layers);
     CAPTURE(top_k);
-    CHECK(rr_test::slot_rows_errors<rr::cuda_backend, Index>(layers, top_k, 7) == 0);
-    require_device_clean();
+    // every step scattered; steps of 7 rows scattered and of 3 stored by the end-of-step kernel; every
+    // step stored by it
+    for (const std::int32_t fused_max_rows : {0, 3, 64}) {
+      CAPTURE(fused_max_rows);
+      CHECK(rr_test::slot_rows_errors<rr::cuda_backend, Index>(layers, top_k, 7, fused_max_rows) == 0);
+      require_device_clean();
+    }
   }
 }

@@ -1,5 +1,6 @@
 // slot_rows on the host backend: rows stored at KV slots the "device" holds, for every stored index
-// type and both scatter placements; reads widened and checked, base64 written in parts; layers never
+// type and every way a step reaches the pool (a scatter on a side stream or on the compute stream,
+// the end-of-step kernel itself); reads widened and checked, base64 written in parts; layers never
 // captured, a captured layer missing from a step, invalid ids, slots outside the pool, padded graph
 // batches, the engine reusing its slot array, a ring that wraps, and steps still in flight at the end.
 #include <routing_replay/host_backend.hpp>
@@ -263,6 +264,56 @@ TEST_CASE("slot_rows: randomized steps through a wrapping ring equal a plain mod
     e.rows.wait(serials.back());
     CHECK_NOTHROW(e.rows.throw_failure(serials.back()));
     CHECK(e.rows.poll() == serials.back());
+  }
+}
+
+TEST_CASE("slot_rows: steps stored by the end-of-step kernel alone and scattered ones interleave in one ring")
+{
+  // fused_scatter_max_rows 0: every step scattered; 4: steps of 0..8 rows both ways; 16: every step fused
+  for (const std::int32_t fused_rows : {0, 4, 16}) {
+    for (const bool on_compute : {false, true}) {
+      CAPTURE(fused_rows);
+      CAPTURE(on_compute);
+      rr::slot_rows_config c  = small_config(on_compute);
+      c.fused_scatter_max_rows = fused_rows;
+      engine<std::uint16_t> e{c};
+      std::mt19937_64 rng{static_cast<std::uint64_t>(fused_rows * 2 + (on_compute ? 1 : 0))};
+      std::vector<std::int64_t> step_of(pool_slots, -1);
+      std::uint64_t last = 0;
+      for (std::int64_t step = 1; step <= 40; ++step) {
+        std::vector<std::int64_t> slots;
+        const auto n = static_cast<std::int64_t>(rng() % 9);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const auto s = static_cast<std::int64_t>(rng() % 8);  // few slots: steps keep rewriting them
+          if (std::find(slots.begin(), slots.end(), s) == slots.end()) { slots.push_back(s); }
+        }
+        if (step % 7 == 0 && !slots.empty()) {  // a refused step: a slot outside the pool
+          slots.push_back(pool_slots + step);
+          last = e.step(slots, step);
+          e.rows.wait(last);
+          CHECK(code_of([&] { e.rows.throw_failure(last); }) == rr::errc::slot_out_of_range);
+          slots.pop_back();
+          for (const std::int64_t s : slots) {
+            step_of[static_cast<std::size_t>(s)] = -1;
+            CHECK(code_of([&] { (void)e.read({s}); }) == rr::errc::missing_routing);
+          }
+          continue;
+        }
+        last = e.step(slots, step);
+        for (const std::int64_t s : slots) { step_of[static_cast<std::size_t>(s)] = step; }
+        if (rng() % 3 == 0) {
+          e.rows.wait(last);
+          for (std::int64_t s = 0; s < 8; ++s) {
+            if (step_of[static_cast<std::size_t>(s)] >= 0) {
+              check_rows<std::uint16_t>(e.read({s}), {s}, step_of[static_cast<std::size_t>(s)]);
+            }
+          }
+        }
+      }
+      e.rows.wait(last);
+      CHECK_NOTHROW(e.rows.throw_failure(last));
+      CHECK(e.rows.steps_in_flight() == 0);
+    }
   }
 }
 

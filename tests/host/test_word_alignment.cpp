@@ -1,9 +1,10 @@
 // Word accesses at odd shapes on the host backend: step_snapshots (vLLM's path) for every pair of
 // index and output types with rows of 1 to 24 ids, ring slots of an odd number of bytes and D
 // narrowed to uint8; capture_buffer's end-of-step kernel into snapshots at every offset within 16
-// bytes; slot_rows (SGLang's path) with rows of 1, 3, 6 and 16 bytes. Every word a kernel moves is
-// checked for the alignment a GPU needs (detail::require_word_aligned() aborts the run otherwise),
-// and every id must come back.
+// bytes; slot_rows (SGLang's path) with rows of 1, 3, 6 and 16 bytes, its steps scattered and stored
+// by the end-of-step kernel, and a refused one. Every word a kernel moves is checked for the
+// alignment a GPU needs (detail::require_word_aligned() aborts the run otherwise), and every id must
+// come back.
 #include "../support/word_shapes.hpp"
 
 #include <routing_replay/host_backend.hpp>
@@ -57,12 +58,18 @@ TEST_CASE_TEMPLATE("word alignment: capture_buffer's end of step into a snapshot
   }
 }
 
-TEST_CASE_TEMPLATE("word alignment: slot_rows with rows of 1, 3, 6 and 16 bytes", Index, std::uint8_t, std::uint16_t,
-                   std::int32_t)
+TEST_CASE_TEMPLATE("word alignment: slot_rows with rows of 1, 3, 6 and 16 bytes, scattered and stored by the "
+                   "end-of-step kernel",
+                   Index, std::uint8_t, std::uint16_t, std::int32_t)
 {
   for (const auto& [layers, top_k] : {std::pair{1, 1}, std::pair{3, 1}, std::pair{1, 3}, std::pair{2, 8}, std::pair{48, 8}}) {
     CAPTURE(layers);
     CAPTURE(top_k);
-    CHECK(rr_test::slot_rows_errors<rr::host_backend, Index>(layers, top_k, 7) == 0);
+    // every step scattered; steps of 7 rows scattered and of 3 stored by the end-of-step kernel; every
+    // step stored by it
+    for (const std::int32_t fused_max_rows : {0, 3, 64}) {
+      CAPTURE(fused_max_rows);
+      CHECK(rr_test::slot_rows_errors<rr::host_backend, Index>(layers, top_k, 7, fused_max_rows) == 0);
+    }
   }
 }

@@ -18,6 +18,7 @@
 #include <routing_replay/layer_map.hpp>
 #include <routing_replay/slot_rows.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
@@ -160,46 +161,67 @@ std::size_t capture_buffer_errors(std::int32_t layers, std::int32_t top_k, std::
   return wrong;
 }
 
-/// @brief slot_rows<Backend, Index> of L x K ids: three steps scattered to KV slots of the pool
-/// (rows of L * K * sizeof(Index) bytes: 1, 3, 6, 16, ...), read back.
+/// @brief slot_rows<Backend, Index> of L x K ids (rows of L * K * sizeof(Index) bytes: 1, 3, 6,
+/// 16, ...) with steps of at most `fused_max_rows` rows stored by the end-of-step kernel alone
+/// (slot_rows_config::fused_scatter_max_rows) and larger ones scattered: four steps of `rows` and
+/// `rows / 2` rows in turn, read back, then a step of `rows / 2` rows with one slot outside the pool,
+/// which must fail and leave the sentinel at its other slots (written over rows already stored).
 template <class Backend, class Index>
-std::size_t slot_rows_errors(std::int32_t layers, std::int32_t top_k, std::int32_t rows)
+std::size_t slot_rows_errors(std::int32_t layers, std::int32_t top_k, std::int32_t rows, std::int32_t fused_max_rows)
 {
   routing_replay::slot_rows_config c;
-  c.num_experts         = 100;
-  c.top_k               = top_k;
-  c.max_tokens_per_step = rows;
-  c.num_model_layers    = layers;
-  c.num_slots           = 4 * static_cast<std::int64_t>(rows) + 3;
-  c.steps_in_flight     = 2;
+  c.num_experts            = 100;
+  c.top_k                  = top_k;
+  c.max_tokens_per_step    = rows;
+  c.num_model_layers       = layers;
+  c.num_slots              = 4 * static_cast<std::int64_t>(rows) + 3;
+  c.steps_in_flight        = 2;
+  c.fused_scatter_max_rows = fused_max_rows;
   routing_replay::slot_rows<Backend, Index> pool{c};
   typename Backend::stream compute;
   std::size_t wrong = 0;
-  for (std::int64_t step = 0; step < 3; ++step) {
-    std::vector<std::int64_t> slots(static_cast<std::size_t>(rows));
-    for (std::int32_t r = 0; r < rows; ++r) { slots[static_cast<std::size_t>(r)] = (r * 3 + step * 5 + 1) % c.num_slots; }
+  const std::size_t row_elems = static_cast<std::size_t>(layers) * static_cast<std::size_t>(top_k);
+  for (std::int64_t step = 0; step < 5; ++step) {
+    const bool refused = step == 4;
+    const std::int32_t n = step % 2 == 0 && !refused ? rows : std::max(1, rows / 2);
+    std::vector<std::int64_t> slots(static_cast<std::size_t>(n));
+    for (std::int32_t r = 0; r < n; ++r) { slots[static_cast<std::size_t>(r)] = (r * 3 + step * 5 + 1) % c.num_slots; }
+    if (refused) { slots.back() = c.num_slots + 1; }
     std::vector<typename Backend::template device_vector<std::int32_t>> inputs;
     for (std::int32_t l = 0; l < layers; ++l) {
-      inputs.push_back(upload<Backend>(word_shape_router(rows, l, top_k, step, c.num_experts), compute.ref()));
-      pool.capture(l, Backend::data(inputs.back()), rows, compute.ref());
+      inputs.push_back(upload<Backend>(word_shape_router(n, l, top_k, step, c.num_experts), compute.ref()));
+      pool.capture(l, Backend::data(inputs.back()), n, compute.ref());
     }
     const auto device_slots    = upload<Backend>(slots, compute.ref());
-    const std::uint64_t serial = pool.end_step(Backend::data(device_slots), rows, compute.ref());
+    const std::uint64_t serial = pool.end_step(Backend::data(device_slots), n, compute.ref());
     pool.wait(serial);
     Backend::synchronize(compute.ref());  // the inputs may go
     try {
       pool.throw_failure(serial);
-    } catch (const routing_replay::error&) {
-      ++wrong;
+      wrong += refused ? 1 : 0;
+    } catch (const routing_replay::error& e) {
+      wrong += refused && e.code() == routing_replay::errc::slot_out_of_range ? 0 : 1;
+      if (!refused) { continue; }
+    }
+    std::vector<std::int32_t> out(row_elems);
+    if (refused) {  // every row the step stored before its bad slot was seen is the sentinel again
+      for (std::int32_t r = 0; r + 1 < n; ++r) {
+        try {
+          pool.template read<std::int32_t>(std::span<const std::int64_t>{&slots[static_cast<std::size_t>(r)], 1}, out.data());
+          ++wrong;
+        } catch (const routing_replay::error& e) {
+          wrong += e.code() == routing_replay::errc::missing_routing ? 0 : 1;
+        }
+      }
       continue;
     }
-    std::vector<std::int32_t> out(static_cast<std::size_t>(rows) * static_cast<std::size_t>(layers) * static_cast<std::size_t>(top_k));
+    out.resize(static_cast<std::size_t>(n) * row_elems);
     pool.template read<std::int32_t>(std::span<const std::int64_t>{slots}, out.data());
-    for (std::int32_t r = 0; r < rows; ++r) {
+    for (std::int32_t r = 0; r < n; ++r) {
       for (std::int32_t l = 0; l < layers; ++l) {
         for (std::int32_t k = 0; k < top_k; ++k) {
-          const std::int32_t id = out[(static_cast<std::size_t>(r) * static_cast<std::size_t>(layers) + static_cast<std::size_t>(l)) *
-                                        static_cast<std::size_t>(top_k) + static_cast<std::size_t>(k)];
+          const std::int32_t id = out[static_cast<std::size_t>(r) * row_elems + static_cast<std::size_t>(l) * static_cast<std::size_t>(top_k) +
+                                      static_cast<std::size_t>(k)];
           // a row is read with the id it was captured with (its row in the step)
           wrong += id != word_shape_id(r, l, k, step, c.num_experts) ? 1 : 0;
         }

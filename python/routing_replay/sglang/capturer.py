@@ -10,10 +10,12 @@ SGLang drives it so, per forward::
     cap.get_topk(req_pool_idx, seqlen, req_to_token_pool, start_len)   # a finished request
 
 Underneath, ``capture`` is the library's capture kernel (ids narrowed once to the narrowest index
-type that holds E plus the sentinel: uint8 for E <= 255), and ``on_forward_end`` enqueues two
-kernels and an event or two: the end-of-step kernel copies the step's KV slots (``out_cache_loc``,
-which stays on the GPU), checks and snapshots the rows and resets the device buffer; a scatter
-writes each row into a pinned, device-mapped pool of one row per KV slot. Nothing waits on either
+type that holds E plus the sentinel: uint8 for E <= 255), and ``on_forward_end`` enqueues one kernel
+and an event for a step of at most ``fused_scatter_max_rows`` rows (a decode step of a small batch):
+the end-of-step kernel reads the step's KV slots (``out_cache_loc``, which stays on the GPU), checks
+the rows, writes each into a pinned, device-mapped pool of one row per KV slot and resets the device
+buffer. A larger step takes two kernels and an event or two: the end-of-step kernel snapshots the
+rows and slots, and a scatter on a side stream writes them into the pool. Nothing waits on either
 path, and nothing is done per request or per row on the engine's thread. ``get_topk`` waits only for
 the steps the engine has finished with (the synchronous path's steps, the overlap path's finalized
 ones), then reads the pool at the request's slots and widens to int32.
@@ -65,6 +67,33 @@ def index_type_for(num_experts: int) -> str:
     return "int32"
 
 
+def _never_hot_end(loc, graph, padded, check):
+    """on_forward_end's hot path before torch is imported: every array takes the general path."""
+    return None
+
+
+def _torch_hot_end(end_step, device_index: int, read_stream, stream_key):
+    """on_forward_end's hot path, as one flat function ``end(loc, graph, padded, check) -> serial``:
+    a contiguous 1-D integer tensor of KV slots on device `device_index` (-1: the CPU) goes to
+    ``end_step`` with torch's current raw stream; anything else returns None for the general path,
+    which checks and reports it. Flat, with closure constants, for the reason of
+    ``_arrays.torch_hot_capture``: a step of a small batch costs the host little else."""
+    tensor_type = sys.modules["torch"].Tensor
+    codes = _arrays._torch_dtype_codes()
+
+    def end(loc, graph: bool, padded: int, check: bool):
+        if type(loc) is not tensor_type:
+            return None
+        code = codes.get(loc.dtype)
+        shape = loc.shape
+        if code is None or len(shape) != 1 or loc.get_device() != device_index or (shape[0] > 1 and
+                                                                                   loc.stride(0) != 1):
+            return None
+        return end_step(loc.data_ptr(), code, shape[0], read_stream(stream_key), graph, padded, check)
+
+    return end
+
+
 class TopkCaptureOutput:
     """What :meth:`RoutedExpertsCapturer.on_forward_end` returns on the overlap path: a step whose
     rows a kernel is already writing into the host pool. It holds no device tensor."""
@@ -81,7 +110,10 @@ class TopkCaptureOutput:
     def finalize(self) -> None:
         """Waits for the step's scatter (done by now in practice) and raises, once, the error of the
         first refused step up to this one; from here on ``get_topk`` reads this step's rows."""
-        self._capturer._finalize(self.serial)
+        capturer, serial = self._capturer, self.serial
+        if serial > capturer._visible:  # inline, not a method: this runs once a step on the engine's thread
+            capturer._visible = serial
+        capturer._native.finalize(serial)
 
 
 class RoutedExpertsCapturer:
@@ -105,8 +137,12 @@ class RoutedExpertsCapturer:
             cache); others read 0 and capturing them is an error.
         index: stored index type (default: the narrowest for E).
         steps_in_flight: steps whose scatter may still run (4).
-        scatter_on_compute_stream: run the scatter right after the end-of-step kernel on the
-            compute stream (one launch and no event wait on the host) instead of a side stream.
+        scatter_on_compute_stream: run the scatter of a step larger than ``fused_scatter_max_rows``
+            right after the end-of-step kernel on the compute stream (no event wait on the host)
+            instead of on a side stream.
+        fused_scatter_max_rows: steps of at most this many rows (64) are stored by the end-of-step
+            kernel itself, on the compute stream: one launch and one event record per step, where a
+            scattered step takes two launches, two records and a stream wait. 0: never.
     """
 
     @staticmethod
@@ -127,7 +163,7 @@ class RoutedExpertsCapturer:
     def __init__(self, model_config, num_tokens: int, max_running_requests: int, num_fused_shared_experts: int,
                  device, *, num_experts: int | None = None, max_batch_size: int | None = None, page_size: int = 1,
                  layers=None, index: str | None = None, steps_in_flight: int = 4,
-                 scatter_on_compute_stream: bool = False) -> None:
+                 scatter_on_compute_stream: bool = False, fused_scatter_max_rows: int = 64) -> None:
         _context.check_supported()
         text = model_config.hf_text_config
         self.num_fused_shared_experts = num_fused_shared_experts
@@ -152,6 +188,7 @@ class RoutedExpertsCapturer:
         config.page_size = int(page_size)
         config.steps_in_flight = steps_in_flight
         config.scatter_on_compute_stream = scatter_on_compute_stream
+        config.fused_scatter_max_rows = int(fused_scatter_max_rows)
         index = index or index_type_for(self.num_experts)
         backend, device_index = _parse_device(device)
         self._torch_op, self._compiling = _torch_capture_op(import_torch=True)
@@ -173,9 +210,12 @@ class RoutedExpertsCapturer:
         self._visible = 0  # the newest step whose rows get_topk may read
         self._codes = _arrays._torch_dtype_codes() if self._torch is not None else {}
         self._hot = _arrays.never_hot
+        self._hot_end = _never_hot_end
         if self._torch is not None:
             self._hot = _arrays.torch_hot_capture(self._native.capture, self._device_index, self.topk_size,
-                                                  read_stream, key, self._compiling)
+                                                  read_stream, key, self._compiling,
+                                                  widths=(self._device_width, self._routed_width))
+            self._hot_end = _torch_hot_end(self._native.end_step, self._device_index, read_stream, key)
         self._id = next(_replay_ids)
         _live[self._id] = self
         logger.info("routing_replay: routed experts of %d layers x top-%d stored at %d KV slots as %s, %.2f GB "
@@ -188,12 +228,12 @@ class RoutedExpertsCapturer:
     def capture(self, layer_id: int, topk_indices) -> None:
         """Records a MoE layer's top-k ids ``[n, K]`` or ``[n, K + shared]`` (the shared columns are
         dropped): one kernel on the current stream, CUDA-graph and torch.compile safe."""
+        if self._hot(layer_id, topk_indices):  # a tensor of either width: checked there, not read twice
+            return
         width = topk_indices.shape[1]
         if width != self._device_width and width != self._routed_width:
             raise ValueError(f"Captured top-k width {width} is neither the device width {self._device_width} "
                              f"nor its routed part {self._routed_width}")
-        if self._hot(layer_id, topk_indices):
-            return
         if self._torch_op is not None and self._compiling():
             self._torch_op(topk_indices, self._id, layer_id, -1, 0, None)
             return
@@ -221,33 +261,27 @@ class RoutedExpertsCapturer:
     def on_forward_end(self, forward_batch, can_run_graph: bool, cuda_graph_batch, no_copy_to_cpu: bool = False):
         """Ends the forward just enqueued: its rows go to the KV slots ``forward_batch.out_cache_loc``
         (``out_cache_loc_virtual`` where set: a padded kernel batch stores its real tokens only), on
-        the device. Two kernels and an event or two; never waits.
+        the device. One kernel and an event (two kernels and an event or two above
+        ``fused_scatter_max_rows`` rows); never waits.
 
         Returns None (synchronous path: the previous step's error, if any, is raised here; its
         scatter, which in SGLang's synchronous scheduler finished before this forward was planned,
         is waited for) or, with ``no_copy_to_cpu``, a :class:`TopkCaptureOutput` whose
         ``finalize()`` raises this step's error."""
-        full = forward_batch.out_cache_loc
-        loc = getattr(forward_batch, "out_cache_loc_virtual", None)
-        if loc is None:
-            loc = full
-        elif loc.shape[0] > full.shape[0]:
-            raise ValueError(f"out_cache_loc_virtual has {loc.shape[0]} slots, more than the "
-                             f"{full.shape[0]} rows the forward captured")
-        graph = bool(can_run_graph)
+        loc = forward_batch.out_cache_loc
+        virtual = getattr(forward_batch, "out_cache_loc_virtual", None)
+        if virtual is not None:
+            if virtual.shape[0] > loc.shape[0]:
+                raise ValueError(f"out_cache_loc_virtual has {virtual.shape[0]} slots, more than the "
+                                 f"{loc.shape[0]} rows the forward captured")
+            loc = virtual
+        graph = True if can_run_graph else False
         padded = int(cuda_graph_batch) if graph and cuda_graph_batch else 0
         check = not no_copy_to_cpu
         try:
-            if type(loc) is np.ndarray:
-                serial = self._native.end_step_array(loc, self._stream.handle, graph, padded, check)
-            else:
-                if loc.get_device() != self._device_index:
-                    raise ValueError(f"out_cache_loc is on device {loc.get_device()}, the capturer on "
-                                     f"{self._device_index}")
-                if loc.dim() != 1 or (loc.shape[0] > 1 and loc.stride(0) != 1):
-                    loc = loc.contiguous().reshape(-1)
-                serial = self._native.end_step(loc.data_ptr(), self._codes[loc.dtype], loc.shape[0],
-                                               self._read_stream(self._stream_key), graph, padded, check)
+            serial = self._hot_end(loc, graph, padded, check)
+            if serial is None:
+                serial = self._end_any(loc, graph, padded, check)
         except _core.Error:
             if check:  # an earlier step's error: this step was enqueued all the same
                 self._visible = self._native.last_step
@@ -257,10 +291,21 @@ class RoutedExpertsCapturer:
         self._visible = serial
         return None
 
-    def _finalize(self, serial: int) -> None:
-        if serial > self._visible:
-            self._visible = serial
-        self._native.finalize(serial)
+    def _end_any(self, loc, graph: bool, padded: int, check: bool) -> int:
+        """on_forward_end's general path: host arrays, and tensors the hot path declines (checked
+        here, copied where not contiguous)."""
+        if type(loc) is np.ndarray:
+            return self._native.end_step_array(loc, self._stream.handle, graph, padded, check)
+        if loc.get_device() != self._device_index:
+            raise ValueError(f"out_cache_loc is on device {loc.get_device()}, the capturer on "
+                             f"{self._device_index}")
+        code = self._codes.get(loc.dtype)
+        if code is None:
+            raise TypeError(f"out_cache_loc must hold integer KV slots, not {loc.dtype}")
+        if loc.dim() != 1 or (loc.shape[0] > 1 and loc.stride(0) != 1):
+            loc = loc.contiguous().reshape(-1)
+        return self._native.end_step(loc.data_ptr(), code, loc.shape[0], self._read_stream(self._stream_key), graph,
+                                     padded, check)
 
     # ---- results ------------------------------------------------------------------------------
 
