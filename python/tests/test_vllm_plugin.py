@@ -259,6 +259,9 @@ def test_on_builds_the_real_connector_and_it_runs_a_step(fake_vllm):
     capturer = getattr(conn, "_capturer", None) or conn.capturer
     conn.begin_step(library.AuxOutputConnectorMetadata(0, {"r": 0}, {}, ()))
     ids = np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int64)
+    if capturer.device.startswith("cuda"):  # vLLM's runner puts the capturer on the GPU where there is one
+        import torch
+        ids = torch.from_numpy(ids).to(capturer.device)
     for layer in range(2):
         capturer.capture(layer, ids)
     pending = conn.prepare_output(SimpleNamespace(req_ids=["r"], query_start_loc_np=np.array([0, 3], np.int32),

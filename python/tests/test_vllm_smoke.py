@@ -203,8 +203,10 @@ def test_cuda_connector_hands_out_what_the_host_backend_does():
     for device in ("cpu", "cuda"):
         conn = make_worker_connector(L, 100, K, 64, 8, block_size=BS, device=device)
         outs = []
+        # b's second block fills in the second step, whose metadata brings its hash, as vLLM's scheduler
+        # sends it (without the hash, vLLM and the library both refuse to read those rows back)
         trace = [({"a": 0, "b": 0}, {"a": hashes(1, 0, 2), "b": hashes(2, 0, 1)}, [("a", 1, 0, 9, 0, 1), ("b", 2, 0, 5, 0, 0)]),
-                 ({"a": 0, "b": 0}, {}, [("a", 1, 9, 3, 1, 1), ("b", 2, 5, 3, 0, 1)]),
+                 ({"a": 0, "b": 0}, {"b": hashes(2, 1, 2)}, [("a", 1, 9, 3, 1, 1), ("b", 2, 5, 3, 0, 1)]),
                  ({"c": 0}, {"c": hashes(1, 0, 2)}, [("c", 1, 8, 2, 0, 1)])]
         for requests, block_hashes, batch in trace:
             conn.begin_step(AuxOutputConnectorMetadata(0, requests, block_hashes, ()))
