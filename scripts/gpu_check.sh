@@ -155,7 +155,7 @@ if want micro && [ -x build/gpu/benchmarks/device_bench ]; then
   done
 fi
 
-# Before/after in one session (scripts/stage_baseline.sh REV staged .baseline/): the baseline's
+# Before/after on one machine (scripts/stage_baseline.sh REV staged .baseline/): the baseline's
 # benchmarks and this tree's, run alternately on one machine -> $OUT/compare.jsonl, compare.md:
 # - the engine loop (graph mode, decode B256/B1024, prefill 8k, every copy strategy and storage),
 #   twice each, so a difference can be told from the spread;

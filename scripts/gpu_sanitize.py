@@ -153,8 +153,8 @@ def main(argv=None) -> int:
             with open(log, "w") as f:
                 f.write(" ".join(command) + "\n")
                 f.flush()
-                # a session of its own: at the deadline the sanitizer and the program under it both stop
-                process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                # a process group of its own (Python 3.11+): at the deadline the sanitizer and the program under it both stop
+                process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, process_group=0)
                 try:
                     rc = process.wait(timeout=left)
                 except subprocess.TimeoutExpired:
