@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -100,8 +101,8 @@ inline std::int64_t run_first_position(nb::handle id, const std::int64_t* positi
 
 // ---- dtypes and arrays ---------------------------------------------------------------------------
 
-/// The dtype code of a DLPack integer dtype; raises TypeError for any other.
-inline dtype_code dtype_from_dlpack(nb::dlpack::dtype t)
+/// The dtype code of a DLPack integer dtype, or nothing for any other.
+inline std::optional<dtype_code> integer_dtype_code(nb::dlpack::dtype t)
 {
   const bool is_int  = t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int);
   const bool is_uint = t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt);
@@ -114,6 +115,13 @@ inline dtype_code dtype_from_dlpack(nb::dlpack::dtype t)
       default: break;
     }
   }
+  return std::nullopt;
+}
+
+/// The dtype code of a DLPack integer dtype; raises TypeError for any other.
+inline dtype_code dtype_from_dlpack(nb::dlpack::dtype t)
+{
+  if (const auto code = integer_dtype_code(t)) { return *code; }
   throw nb::type_error("routing ids must be integers (int8 to int64, uint8 to uint64)");
 }
 

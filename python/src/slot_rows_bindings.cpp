@@ -4,6 +4,8 @@
 /// pointers and handles taken here; one native call per engine call.
 #include "slot_rows_bindings.hpp"
 
+#include "bindings.hpp"
+
 #include <routing_replay/host_backend.hpp>
 
 #include <nanobind/nanobind.h>
@@ -35,17 +37,7 @@ const slot_rows_factories& host_slot_rows()
 /// The dtype code of a 1-D or 2-D integer array's elements.
 dtype_code integer_dtype(const nb::dlpack::dtype& t, const char* what)
 {
-  const bool is_int  = t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int);
-  const bool is_uint = t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt);
-  if ((is_int || is_uint) && t.lanes == 1) {
-    switch (t.bits) {
-      case 8: return is_int ? dtype_code::i8 : dtype_code::u8;
-      case 16: return is_int ? dtype_code::i16 : dtype_code::u16;
-      case 32: return is_int ? dtype_code::i32 : dtype_code::u32;
-      case 64: return is_int ? dtype_code::i64 : dtype_code::u64;
-      default: break;
-    }
-  }
+  if (const auto code = integer_dtype_code(t)) { return *code; }
   throw nb::type_error((std::string{what} + ": expected an integer array").c_str());
 }
 

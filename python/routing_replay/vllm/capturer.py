@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _arrays, _core, _live, _replay_ids, _torch_capture_op, cuda_available
+from .. import _arrays, _core, _live, _replay_ids, _torch_capture_op
+from .._native import _parse_device
 
 
 def routed_experts_shape(vllm_config) -> tuple[int, int, int]:
@@ -50,21 +51,6 @@ def _vllm_forward_hooks():
     except Exception:  # noqa: BLE001 - a vLLM without micro-batching
         dbo_current_ubatch_token_offset = None
     return get_forward_context, dbo_current_ubatch_token_offset, get_tp_group
-
-
-def _parse_device(device) -> tuple[str, int]:
-    if device is None:
-        return ("cuda", -1) if cuda_available() else ("host", 0)
-    if isinstance(device, int):
-        return "cuda", device
-    text = str(device)
-    if text in ("cpu", "host"):
-        return "host", 0
-    if text == "cuda":
-        return "cuda", -1
-    if text.startswith("cuda:"):
-        return "cuda", int(text[5:])
-    raise ValueError(f"device must be 'cpu', 'host', 'cuda' or 'cuda:N', got {device!r}")
 
 
 @contextlib.contextmanager
