@@ -5,20 +5,21 @@
 #   on its own (header_checks) and the packaging tests, the .cu files' host code at -O0 and the C++
 #   files at -O1: CI proves they build and run; figures come
 #   from scripts/gpu_check.sh on a GPU. The GPU tests report Skipped, not Passed, where there is no GPU;
-# - the host tests (every policy combination, every copy strategy) and the parallel tests (ranks as
-#   threads, label parallel) under ThreadSanitizer: the host backend's streams are real threads, so
-#   the pipeline's ordering and the in-process collectives are checked there; with them the numpy
-#   round trip and the compile-fail check;
-# - the scenario, error and pipeline tests again under AddressSanitizer + UBSan, and the fault
-#   injection sweeps (every backend operation, device/pinned and host allocation fails once), at -O0
-#   (they build in about 60 % of -O1's time and run in seconds either way);
+# - the host tests in two halves, each source built once: the schedules (every policy combination,
+#   every copy strategy), the pipeline tests and the parallel tests (ranks as threads) under
+#   ThreadSanitizer: the host backend's streams are real threads, so the pipeline's ordering and
+#   the in-process collectives are checked there; the scenario, error, unit and misuse tests, the
+#   numpy round trip and the fault injection sweeps (every backend operation, device/pinned and
+#   host allocation fails once) under AddressSanitizer + UBSan at -O0 (they build in about 60 % of
+#   -O1's time and run in seconds either way);
 # - the short soak (every copy strategy, 100000 steps in all, memory flat) in the -O1 build;
 # - the fuzzer for 2 minutes (clang, its own build: scripts/fuzz.sh), one thread beside the steps
 #   after the CUDA build, several of which leave the second core idle (serial tests, the soak);
 # - the Python package exactly as a user installs it (a fresh virtual environment, pip install
 #   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
 #   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, with torch from PyPI (the vLLM
-#   and SGLang differential tests run those engines' code on the CPU), and its pytest suite;
+#   and SGLang differential tests run those engines' code on the CPU; it downloads beside the
+#   builds, from the start), and its pytest suite;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct), a short run of the block-slot floor benchmark
 #   and the demo on a small run.
@@ -27,6 +28,16 @@ cd "$(dirname "$0")/.."
 . scripts/common.sh
 apt_install cmake ninja-build g++ doctest-dev libbenchmark-dev doxygen clang libclang-rt-14-dev
 pip_install numpy numpy
+
+# The Python package's environment, with torch: about 2 minutes, most of it download, so it runs
+# beside the builds below and the package step waits for it.
+python_venv=build/python-venv
+rm -rf "$python_venv"
+mkdir -p build
+python3 -m venv "$python_venv"
+torch_start=$(date +%s)
+"$python_venv/bin/pip" install -q torch >build/torch-install.log 2>&1 &
+torch_pid=$!
 
 echo "== build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # -O0 for the .cu files' host code: nvcc's g++ pass there is most of their build (a third less at
@@ -47,37 +58,51 @@ echo "== soak (short): every copy strategy, 100000 steps in all, memory flat aft
 build/ci/tests/soak --steps 100000 >build/ci/soak.log 2>&1 || { cat build/ci/soak.log; exit 1; }
 grep '"soak"' build/ci/soak.log
 
-echo "== host tests under ThreadSanitizer"
+echo "== schedules, pipeline and parallel tests under ThreadSanitizer"
 # -O1 -g1: the usual sanitizer trade-off, and a much faster build of the template-heavy tests
 cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" \
   -DROUTING_REPLAY_SANITIZE_THREAD=ON -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build/tsan -j "$(build_jobs)" --target host_tests parallel_tests
-TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir build/tsan --output-on-failure -j 2 -L "host|parallel"
+cmake --build build/tsan -j "$(build_jobs)" --target host_schedule_tests parallel_tests
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+build/tsan/tests/host_schedule_tests >build/tsan/host_schedule_tests.log 2>&1 &
+schedules_pid=$!
+parallel_status=0
+build/tsan/tests/parallel_tests >build/tsan/parallel_tests.log 2>&1 || parallel_status=$?
+schedules_status=0
+wait "$schedules_pid" || schedules_status=$?
+for log in host_schedule_tests parallel_tests; do
+  echo "$log: $(grep -E '^\[doctest\] test cases' "build/tsan/$log.log")"
+done
+if [ "$schedules_status" -ne 0 ] || [ "$parallel_status" -ne 0 ]; then
+  cat build/tsan/host_schedule_tests.log build/tsan/parallel_tests.log; exit 1
+fi
+unset TSAN_OPTIONS
 
-echo "== scenario, error and pipeline tests, fault injection, under AddressSanitizer + UBSan"
+echo "== scenario, error, unit and misuse tests, numpy round trip, fault injection, under AddressSanitizer + UBSan"
 cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O0 -g1" -DROUTING_REPLAY_SANITIZE=ON \
   -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
 cmake --build build/asan -j "$(build_jobs)" --target host_core_tests fault_tests
-ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 build/asan/tests/host_core_tests
-ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build/asan --output-on-failure -L faults
+export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
+build/asan/tests/host_core_tests
+python3 tests/check_npy.py build/asan/tests/host_core_tests build/asan/npy_out
+ctest --test-dir build/asan --output-on-failure -L faults
+unset ASAN_OPTIONS UBSAN_OPTIONS
 
 echo "== Python package: fresh virtual environment, pip install ./python (host module), pytest"
-python_venv=build/python-venv
-rm -rf "$python_venv"
-python3 -m venv "$python_venv"
+torch_status=0
+wait "$torch_pid" || torch_status=$?
+[ "$torch_status" -eq 0 ] || { cat build/torch-install.log; exit "$torch_status"; }
+echo "torch installed in $(( $(date +%s) - torch_start )) s (beside the builds)"
 python_start=$(date +%s)
 # -O1: CI checks behaviour, not speed, and the instantiations build a third faster
 "$python_venv/bin/pip" install -q "./python[plot]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
   -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
 echo "installed in $(( $(date +%s) - python_start )) s"
-# torch (PyPI's build; on a machine without a GPU it runs on the CPU): the vLLM and SGLang tests run
-# the engines' own released code, which needs it, beside ours (differential tests; they skip, saying
-# why, where that code is not beside the checkout). About 2 minutes, most of it download.
-torch_start=$(date +%s)
-"$python_venv/bin/pip" install -q torch
-echo "torch installed in $(( $(date +%s) - torch_start )) s"
+# torch (PyPI's build, installed at the start; on a machine without a GPU it runs on the CPU): the
+# vLLM and SGLang tests run the engines' own released code, which needs it, beside ours
+# (differential tests; they skip, saying why, where that code is not beside the checkout).
 "$python_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 
 scripts/packaging_check.sh
