@@ -29,14 +29,16 @@ Scenarios:
   store_probe               requests filing 512 blocks (8192 tokens) each, nothing emitted: the host
                             memory (RSS) the store takes per filed block, once warm
 
-One JSON line per (implementation, scenario, backend): host_us_median/p90 (and begin_us, prepare_us:
+One JSON line per (implementation, scenario, backend): host_us_median/p90; connector_us_median (the
+connector's calls alone: begin_step, prepare_output, enqueue_cpu_copy, the wait, process_output,
+without the engine's copy-stream and event work; the targets' definition) (and begin_us, prepare_us:
 prepare_output + enqueue_cpu_copy, process_us: the wait + process_output; calls_us_median: each call
 alone, and the engine's own copy-stream and event work around enqueue_cpu_copy), per_request_ns, minflt_per_step
 (minor page faults of the engine's thread in the timed calls, median over steady-state steps; _mean:
 their mean; minflt_process_per_step_mean: the whole process's in the same window, background threads
 included, which may also fault outside it), correct, rows_checked; then one
 line per implementation with the per-request slope between decode_B64 and decode_B1024, and one line
-per scenario with the ratio vLLM / routing_replay.
+per scenario with the ratios vLLM / routing_replay (host path, connector calls alone).
 
 Usage:
   python3 benchmarks/python/vllm_side_by_side.py [--device cuda|cpu] [--peers PATH] [--steps N]
@@ -258,7 +260,7 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
     conn = impl.make(max_num_seqs, num_kv_blocks)
     rss1 = rss_bytes()
     forward = Forward(impl, peer_device)
-    times = {"host": [], "begin": [], "prepare": [], "process": [], "prepare_output": [], "enqueue_cpu_copy": [],
+    times = {"host": [], "connector": [], "begin": [], "prepare": [], "process": [], "prepare_output": [], "enqueue_cpu_copy": [],
              "engine_copy_work": [], "wait": [], "process_output": []}
     faults, process_faults, requests_per_step, everyone = [], [], [], {}
     rss_filed = None
@@ -328,6 +330,9 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
             times["wait"].append((t3a - t3) / 1e3)
             times["process_output"].append((t4 - t3a) / 1e3)
             times["host"].append((t1 - t0 + t4 - t2) / 1e3)
+            # the connector's calls alone, as vLLM's worker makes them (the engine's copy-stream and
+            # event work, the same whichever connector, left out)
+            times["connector"].append((t1 - t0 + t2a - t2 + enqueue_ns + t4 - t3) / 1e3)
             faults.append(f1 - f0 + f3 - f2)
             process_faults.append(p1 - p0 + p3 - p2)
             requests_per_step.append(n)
@@ -337,7 +342,7 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
     result = {
         "impl": impl.name, "scenario": name, "backend": impl.backend, "steps": len(host),
         "requests_per_step": statistics.median(requests_per_step) if requests_per_step else 0,
-        "host_us_median": med(host), "host_us_p90": p90(host),
+        "host_us_median": med(host), "host_us_p90": p90(host), "connector_us_median": med(times["connector"]),
         "begin_us_median": med(times["begin"]), "prepare_us_median": med(times["prepare"]),
         "process_us_median": med(times["process"]),
         "calls_us_median": {k: med(times[k]) for k in ("prepare_output", "enqueue_cpu_copy", "engine_copy_work", "wait",
@@ -458,7 +463,9 @@ def main() -> None:
         a, b = results.get(("vllm", name)), results.get(("routing_replay", name))
         if a and b and a["host_us_median"] and b["host_us_median"]:
             print(json.dumps({"scenario": name, "backend": backend,
-                              "ratio_vllm_over_routing_replay": round(a["host_us_median"] / b["host_us_median"], 2)}),
+                              "ratio_vllm_over_routing_replay": round(a["host_us_median"] / b["host_us_median"], 2),
+                              "connector_ratio_vllm_over_routing_replay":
+                                  round(a["connector_us_median"] / b["connector_us_median"], 2)}),
                   flush=True)
 
 
