@@ -33,9 +33,19 @@ template <class Backend, class Copy>
 using signed_index_combinations =
   concat<layouts<Backend, Copy, std::int16_t>, layouts<Backend, Copy, std::int32_t>>;
 
+#if defined(RR_TEST_REPRESENTATIVE_COMBINATIONS)
+/// @brief ROUTING_REPLAY_TEST_COMBINATIONS=representative (tests/CMakeLists.txt): 8 of the 16, each
+/// index type with one layout, each layout with two index types, both storages.
+template <class Backend, class Copy>
+using all_combinations = concat<storages<Backend, Copy, std::uint8_t, routing_replay::layer_major>,
+                                storages<Backend, Copy, std::uint16_t, routing_replay::token_major>,
+                                storages<Backend, Copy, std::int16_t, routing_replay::layer_major>,
+                                storages<Backend, Copy, std::int32_t, routing_replay::token_major>>;
+#else
 /// @brief The 16 combinations of one backend and one copy strategy.
 template <class Backend, class Copy>
 using all_combinations =
   concat<unsigned_index_combinations<Backend, Copy>, signed_index_combinations<Backend, Copy>>;
+#endif
 
 }  // namespace rr_test
