@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the test targets and runs every test, keeping nvcc and g++ work to one build of each
-# translation unit where possible (CI has 2 cores; 25 minutes on a clean clone there, most of it compiling):
+# translation unit where possible (CI has 2 cores: 25 minutes on a clean clone, most of it compiling):
 # - the CUDA targets (GPU tests with 8 representative policy combinations of the 16 in their
 #   schedules, the 2-GPU test, demo, benchmarks but the GPU microbenchmarks), every library header
 #   compiled on its own (header_checks) and the packaging tests, the .cu files' host code at -O0 and
