@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -91,6 +92,29 @@ std::string id_text(PyObject* id)
   return {utf8, static_cast<std::size_t>(size)};
 }
 
+/// `n` integers of `bytes` bytes each, `byte_stride` apart from `base`, widened into `out`; false for
+/// a width other than 1, 2, 4 or 8 bytes.
+bool widen_ints(const char* base, std::ptrdiff_t byte_stride, std::size_t n, std::size_t bytes, bool is_signed,
+                std::vector<std::int64_t>& out)
+{
+  auto copy = [&](auto tag) {
+    using T = decltype(tag);
+    out.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      T v;
+      std::memcpy(&v, base + static_cast<std::ptrdiff_t>(i) * byte_stride, sizeof v);
+      out[i] = static_cast<std::int64_t>(v);
+    }
+  };
+  switch (bytes) {
+    case 1: is_signed ? copy(std::int8_t{}) : copy(std::uint8_t{}); return true;
+    case 2: is_signed ? copy(std::int16_t{}) : copy(std::uint16_t{}); return true;
+    case 4: is_signed ? copy(std::int32_t{}) : copy(std::uint32_t{}); return true;
+    case 8: is_signed ? copy(std::int64_t{}) : copy(std::uint64_t{}); return true;
+    default: return false;
+  }
+}
+
 /// A 1-D column of native integers through the buffer protocol (numpy arrays, bytes, array.array):
 /// one call where a nanobind ndarray cast builds a DLPack tensor first. False where the object
 /// offers no such buffer (the caller then goes the general way, which names what is wrong).
@@ -112,27 +136,11 @@ bool read_native_int_buffer(nb::handle column, std::vector<std::int64_t>& out, s
     case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': break;
     default: PyBuffer_Release(&view); return false;
   }
-  const auto n          = std::min<std::size_t>(static_cast<std::size_t>(view.shape[0]), limit);
-  const Py_ssize_t step = view.strides[0];
-  const auto* base      = static_cast<const char*>(view.buf);
-  out.resize(n);
-  auto copy = [&](auto tag) {
-    using T = decltype(tag);
-    for (std::size_t i = 0; i < n; ++i) {
-      T v;
-      std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * step, sizeof v);
-      out[i] = static_cast<std::int64_t>(v);
-    }
-  };
-  switch (view.itemsize) {
-    case 1: is_signed ? copy(std::int8_t{}) : copy(std::uint8_t{}); break;
-    case 2: is_signed ? copy(std::int16_t{}) : copy(std::uint16_t{}); break;
-    case 4: is_signed ? copy(std::int32_t{}) : copy(std::uint32_t{}); break;
-    case 8: is_signed ? copy(std::int64_t{}) : copy(std::uint64_t{}); break;
-    default: PyBuffer_Release(&view); return false;
-  }
+  const auto n   = std::min<std::size_t>(static_cast<std::size_t>(view.shape[0]), limit);
+  const bool read = widen_ints(static_cast<const char*>(view.buf), view.strides[0], n,
+                               static_cast<std::size_t>(view.itemsize), is_signed, out);
   PyBuffer_Release(&view);
-  return true;
+  return read;
 }
 
 }  // namespace
@@ -148,21 +156,13 @@ void read_int64_column(nb::handle column, std::vector<std::int64_t>& out, const 
         t.lanes != 1) {
       throw nb::type_error((std::string{what} + ": expected a 1-D integer array").c_str());
     }
-    const std::size_t n = std::min<std::size_t>(array.shape(0), limit);
-    out.resize(n);
-    const std::int64_t step = array.stride(0);
+    const std::size_t n     = std::min<std::size_t>(array.shape(0), limit);
+    const std::size_t bytes = t.bits / 8;
     const bool is_signed    = t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int);
-    auto copy = [&](auto tag) {
-      using T      = decltype(tag);
-      const auto* in = static_cast<const T*>(array.data());
-      for (std::size_t i = 0; i < n; ++i) { out[i] = static_cast<std::int64_t>(in[static_cast<std::int64_t>(i) * step]); }
-    };
-    switch (t.bits) {
-      case 8: is_signed ? copy(std::int8_t{}) : copy(std::uint8_t{}); break;
-      case 16: is_signed ? copy(std::int16_t{}) : copy(std::uint16_t{}); break;
-      case 32: is_signed ? copy(std::int32_t{}) : copy(std::uint32_t{}); break;
-      case 64: is_signed ? copy(std::int64_t{}) : copy(std::uint64_t{}); break;
-      default: throw nb::type_error((std::string{what} + ": expected a 1-D integer array").c_str());
+    if (t.bits % 8 != 0 || !widen_ints(static_cast<const char*>(array.data()),
+                                       static_cast<std::ptrdiff_t>(array.stride(0)) * static_cast<std::ptrdiff_t>(bytes),
+                                       n, bytes, is_signed, out)) {
+      throw nb::type_error((std::string{what} + ": expected a 1-D integer array").c_str());
     }
     return;
   }
