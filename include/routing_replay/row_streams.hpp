@@ -9,8 +9,7 @@
 /// range that cannot be served names the request, the range and the block.
 ///
 /// Threads: the engine's thread calls everything here (one at a time) and keeps the cursors; it
-/// reads and writes no rows of a step (outputs are views of them), except a call's few row copies
-/// while the filing thread is idle (cheaper than waking it). A filing thread
+/// reads and writes no rows of a step (outputs are views of them). A filing thread
 /// (detail::filing_worker) runs what each call hands it, in order: it copies rows into the tail
 /// pool (request tails, full blocks waiting for their keys), copies full blocks into the tier,
 /// retains, releases and evicts; a read of the tier or of a tail waits for it first. A tail-pool
@@ -246,10 +245,6 @@ class row_streams {
   bool rows_used_ = false;                 // the task being built reads the step's rows
   std::vector<std::byte> read_scratch_;
   std::vector<block_key> key_scratch_;
-  // row copies of at most this many bytes are made on the engine's thread when the filing thread
-  // is idle (submit()): about 85 rows of 48 x 8 ids, read from a device's copy and written to
-  // tails, cost about what a wake of that thread costs (a few microseconds)
-  static constexpr std::size_t inline_copy_bytes = std::size_t{32} << 10;
 };
 
 }  // namespace routing_replay

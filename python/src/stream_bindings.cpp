@@ -121,7 +121,21 @@ vllm_streams::~vllm_streams()
 std::uintptr_t vllm_streams::stream()
 {
   if (current_stream_.is_none()) { return 0; }
+  if (!raw_stream_live_ && raw_stream_ready_.is_valid() && nb::cast<bool>(raw_stream_ready_())) { raw_stream_live_ = true; }
+  if (raw_stream_live_) {  // one vectorcall of a builtin, where the Python reader would run a frame
+    nb::object handle = nb::steal(PyObject_CallOneArg(raw_stream_.ptr(), raw_stream_arg_.ptr()));
+    if (!handle.is_valid()) { throw nb::python_error(); }
+    return nb::cast<std::uintptr_t>(handle);
+  }
   return nb::cast<std::uintptr_t>(current_stream_());
+}
+
+void vllm_streams::use_raw_stream_reader(nb::object read, nb::object argument, nb::object ready)
+{
+  raw_stream_       = std::move(read);
+  raw_stream_arg_   = std::move(argument);
+  raw_stream_ready_ = std::move(ready);
+  raw_stream_live_  = false;
 }
 
 void vllm_streams::close()
@@ -192,6 +206,9 @@ void register_vllm_streams(nb::module_& m)
     .def(nb::init<nb::object, std::int32_t, std::int32_t, std::int32_t, std::int32_t, std::size_t, nb::object>(), "device"_a,
          "block_size"_a, "max_num_seqs"_a, "max_num_batched_tokens"_a, "max_concurrent_batches"_a, "max_bytes"_a,
          "current_stream"_a.none())
+    .def("use_raw_stream_reader", &vllm_streams::use_raw_stream_reader, "read"_a, "argument"_a, "ready"_a,
+         "Reads the current stream as read(argument) once ready() is true (torch's raw-stream reader), "
+         "instead of the current_stream callable.")
     .def("begin_step", &vllm_streams::begin_step, "metadata"_a.none())
     .def("prepare_output", [](nb::handle self, nb::handle batch) { return nb::cast<vllm_streams&>(self).prepare_output(self, batch); },
          "input_batch"_a)

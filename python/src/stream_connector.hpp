@@ -78,6 +78,9 @@ class vllm_streams {
   nanobind::object process_output(pending_output& p);
   /// @brief close().
   void close();
+  /// @brief Reads the current stream as `read(argument)` (torch's raw-stream reader, a builtin)
+  /// once `ready()` returned true, instead of the current_stream callable.
+  void use_raw_stream_reader(nanobind::object read, nanobind::object argument, nanobind::object ready);
 
   /// @brief The streams (introspection).
   [[nodiscard]] row_streams& streams() noexcept { return *streams_; }
@@ -120,6 +123,8 @@ class vllm_streams {
   std::int32_t row_elems_;
   std::int32_t out_bytes_;
   nanobind::object current_stream_;
+  nanobind::object raw_stream_, raw_stream_arg_, raw_stream_ready_;  // use_raw_stream_reader()
+  bool raw_stream_live_ = false;
   std::shared_ptr<chunk_pool> chunks_;
   std::unique_ptr<row_streams> streams_;
   nanobind::dict ids_;                   // request id -> handle (int)
@@ -132,6 +137,10 @@ class vllm_streams {
   position_cache scheduled_ids_;  // metadata.requests, by position
   position_cache batch_ids_;      // input_batch.req_ids, by position
 };
+
+/// @brief The interned Python string of a name literal (made once; looked up by the literal's address),
+/// for attribute reads that make no string per call.
+PyObject* interned_name(const char* name);
 
 /// @brief Reads the first `limit` entries (or fewer) of a 1-D integer column (a numpy array of any
 /// integer dtype, a sequence) as int64.

@@ -41,12 +41,18 @@ class stream_device_base {
                        std::int64_t destination_row, std::uintptr_t stream) = 0;
   /// @brief step_snapshots::open_step().
   virtual void open_step(std::uintptr_t stream) = 0;
+  /// @brief step_snapshots::open_step_enqueues(): whether open_step() needs its stream.
+  [[nodiscard]] virtual bool open_step_enqueues() const noexcept = 0;
   /// @brief step_snapshots::harvest(): the ring slot; `host_rows` is where copy_to_host() will put
   /// the rows (the host backend's kernel writes them there at once).
   virtual std::int32_t harvest(std::int64_t rows, void* host_rows, std::uintptr_t stream) = 0;
   /// @brief step_snapshots::copy_to_host() into `host` (pinned memory of allocate_pinned()).
   virtual void copy_to_host(std::int32_t slot, void* host, std::uintptr_t stream) = 0;
-  /// @brief step_snapshots::wait() (call without the GIL).
+  /// @brief step_snapshots::wrote_host(): the harvest wrote the rows, copy_to_host() has nothing to do.
+  [[nodiscard]] virtual bool wrote_host(std::int32_t slot) const noexcept = 0;
+  /// @brief step_snapshots::ready(): whether wait() would return at once.
+  [[nodiscard]] virtual bool ready(std::int32_t slot) const = 0;
+  /// @brief step_snapshots::wait() (call without the GIL unless ready()).
   virtual void wait(std::int32_t slot) = 0;
   /// @brief step_snapshots::status().
   [[nodiscard]] virtual detail::step_status status(std::int32_t slot) const = 0;
@@ -123,6 +129,9 @@ class stream_device_impl final : public stream_device_base {
     snapshots_.open_step(s);
   }
 
+  [[nodiscard]] bool open_step_enqueues() const noexcept override { return snapshots_.open_step_enqueues(); }
+  [[nodiscard]] bool wrote_host(std::int32_t slot) const noexcept override { return snapshots_.wrote_host(slot); }
+
   std::int32_t harvest(std::int64_t rows, void* host_rows, std::uintptr_t stream) override
   {
     const auto s = stream_of(stream, compute_);
@@ -139,6 +148,7 @@ class stream_device_impl final : public stream_device_base {
     snapshots_.copy_to_host(slot, static_cast<Out*>(out), s);
   }
 
+  [[nodiscard]] bool ready(std::int32_t slot) const override { return snapshots_.ready(slot); }
   void wait(std::int32_t slot) override { snapshots_.wait(slot); }
   [[nodiscard]] detail::step_status status(std::int32_t slot) const override { return snapshots_.status(slot); }
 

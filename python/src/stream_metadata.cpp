@@ -8,6 +8,8 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace nb = nanobind;
 
@@ -30,9 +32,13 @@ class hash_view {
   {
     if (hashes == nullptr || hashes == Py_None) { return {}; }
     nb::handle h{hashes};
-    if (nb::hasattr(h, "data") && nb::hasattr(h, "item_size")) {
-      const auto item_size = nb::cast<std::int64_t>(h.attr("item_size"));
-      nb::object data      = h.attr("data");
+    nb::object data = nb::steal(PyObject_GetAttr(hashes, interned_name("data")));
+    nb::object size = data.is_valid() ? nb::steal(PyObject_GetAttr(hashes, interned_name("item_size"))) : nb::object{};
+    if (!size.is_valid()) {
+      if (PyErr_ExceptionMatches(PyExc_AttributeError) == 0) { throw nb::python_error(); }
+      PyErr_Clear();  // not packed: an iterable of hashes
+    } else {
+      const auto item_size = nb::cast<std::int64_t>(size);
       if (PyObject_GetBuffer(data.ptr(), &buffer_, PyBUF_SIMPLE) != 0) { throw nb::python_error(); }
       held_ = true;
       const auto bytes = static_cast<std::size_t>(buffer_.len);
@@ -81,12 +87,28 @@ std::string id_text(PyObject* id)
 
 nb::object attribute(nb::handle o, const char* name, bool required)
 {
-  if (nb::hasattr(o, name)) { return o.attr(name); }
+  PyObject* value = PyObject_GetAttr(o.ptr(), interned_name(name));  // one lookup, no string made
+  if (value != nullptr) { return nb::steal(value); }
+  if (PyErr_ExceptionMatches(PyExc_AttributeError) == 0) { throw nb::python_error(); }
+  PyErr_Clear();
   if (required) { throw nb::attribute_error((std::string{"metadata has no attribute '"} + name + "'").c_str()); }
   return nb::none();
 }
 
 }  // namespace
+
+PyObject* interned_name(const char* name)
+{
+  // a handful of literals, compared by address; the strings live as long as the interpreter
+  static std::vector<std::pair<const char*, PyObject*>> names;
+  for (const auto& [literal, object] : names) {
+    if (literal == name) { return object; }
+  }
+  PyObject* object = PyUnicode_InternFromString(name);
+  if (object == nullptr) { throw nb::python_error(); }
+  names.emplace_back(name, object);
+  return object;
+}
 
 row_streams::handle vllm_streams::lookup(PyObject* id) const
 {
@@ -172,7 +194,9 @@ void vllm_streams::begin_step(nb::handle metadata)
     }
   }
   if (generation < 0) { throw nb::value_error("metadata.generation must be non-negative"); }
-  device_->open_step(stream());
+  // the step opens in any case (captures then count as the step's); the current stream is read only
+  // where opening enqueues work on it
+  device_->open_step(device_->open_step_enqueues() ? stream() : 0);
   {
     hash_view retained, released;
     streams_->open_step(static_cast<std::uint64_t>(generation),

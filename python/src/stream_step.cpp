@@ -176,11 +176,16 @@ void read_int64_column(nb::handle column, std::vector<std::int64_t>& out, const 
 nb::object vllm_streams::prepare_output(nb::handle self, nb::handle input_batch)
 {
   if (!has_metadata_) { return nb::none(); }
-  nb::object ids = nb::steal(PySequence_List(input_batch.attr("req_ids").ptr()));  // the batch changes later
+  auto field = [&](const char* name) {
+    nb::object value = nb::steal(PyObject_GetAttr(input_batch.ptr(), interned_name(name)));
+    if (!value.is_valid()) { throw nb::python_error(); }
+    return value;
+  };
+  nb::object ids = nb::steal(PySequence_List(field("req_ids").ptr()));  // the batch changes later
   if (!ids.is_valid()) { throw nb::python_error(); }
   const auto n = static_cast<std::size_t>(PyList_GET_SIZE(ids.ptr()));
-  read_int64_column(input_batch.attr("query_start_loc_np"), query_start_loc_, "query_start_loc_np", n + 1);
-  read_int64_column(input_batch.attr("num_computed_tokens_np"), starts_, "num_computed_tokens_np", n + 1);
+  read_int64_column(field("query_start_loc_np"), query_start_loc_, "query_start_loc_np", n + 1);
+  read_int64_column(field("num_computed_tokens_np"), starts_, "num_computed_tokens_np", n + 1);
   if (query_start_loc_.size() < n + 1) {
     throw nb::value_error(("query_start_loc_np has " + std::to_string(query_start_loc_.size()) + " entries for " +
                            std::to_string(n) + " requests (needs n + 1)").c_str());
@@ -230,7 +235,9 @@ void vllm_streams::enqueue_cpu_copy(pending_output& p, nb::handle num_sampled, n
   if (p.processed) { throw nb::value_error("enqueue_cpu_copy after process_output"); }
   p.num_sampled  = nb::borrow(num_sampled);
   p.num_rejected = nb::borrow(num_rejected);
-  device_->copy_to_host(p.slot, p.chunk != nullptr ? p.chunk->data() : nullptr, stream());
+  if (!device_->wrote_host(p.slot)) {  // a small step's kernel wrote the rows already: no call on the stream
+    device_->copy_to_host(p.slot, p.chunk != nullptr ? p.chunk->data() : nullptr, stream());
+  }
   p.copied = true;
 }
 
@@ -256,8 +263,12 @@ nb::object vllm_streams::process_output(pending_output& p)
     throw error{errc::invalid_state, "auxiliary output CPU copy was not enqueued (enqueue_cpu_copy before process_output)"};
   }
   try {
-    nb::gil_scoped_release unlocked;
-    device_->wait(p.slot);
+    if (device_->ready(p.slot)) {  // the engine waited for its copy already: no GIL hand-over
+      device_->wait(p.slot);
+    } else {
+      nb::gil_scoped_release unlocked;
+      device_->wait(p.slot);
+    }
   } catch (...) {
     retire();
     throw;

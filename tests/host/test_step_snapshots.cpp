@@ -2,7 +2,8 @@
 // snapshot in the output type, reset), the copy to host memory and its event; invalid ids,
 // unwritten rows of captured layers, dense layers read as 0, E = 256 narrowed from uint16 to uint8,
 // rows written outside a step reset before the next, and the device path of the same kernel
-// (its thread-per-word form, run as a loop) agreeing with the host pass.
+// (its thread-per-word form, run as a loop) agreeing with the host pass; a report flagged by the
+// kernel brings the status back once, and the slot starts clean on its next use.
 #include <routing_replay/data_path/step_snapshots.hpp>
 #include <routing_replay/host_backend.hpp>
 
@@ -142,4 +143,71 @@ TEST_CASE("step snapshots: the device form of the end-of-step kernel agrees with
     CHECK(st1.unwritten.count == st2.unwritten.count);
     CHECK(st1.out_of_range.count == st2.out_of_range.count);
   }
+}
+
+TEST_CASE("step snapshots: a reported step's status comes back once, and the next step on its slot starts clean")
+{
+  fixture<std::uint8_t, std::uint8_t> f{2, 2, 100, 8};
+  std::vector<std::int64_t> bad{1, 2, 3, 150};
+  std::int32_t slot = 0;
+  for (const bool direct : {false, true}) {
+    CAPTURE(direct);
+    std::vector<std::uint8_t> host(4 * 2 * 2, 0);
+    f.snapshots.open_step(f.stream.ref());
+    f.capture_all(4, 0);
+    f.snapshots.capture(1, bad.data(), 2, f.stream.ref());
+    f.stream.synchronize();
+    slot = f.snapshots.harvest(4, f.stream.ref(), -1, direct ? host.data() : nullptr);
+    CHECK(f.snapshots.wrote_host(slot) == direct);
+    f.snapshots.copy_to_host(slot, host.data(), f.copy.ref());
+    f.snapshots.wait(slot);
+    CHECK(f.snapshots.status(slot).invalid_id.count == 1);
+    CHECK(f.snapshots.status(slot).invalid_id.layer == 1);
+    // the ring comes round to the same slot: its status was reset on the device
+    for (std::int32_t step = 0; step < f.snapshots.ring_depth(); ++step) {
+      f.snapshots.open_step(f.stream.ref());
+      f.capture_all(4, step);
+      slot = f.snapshots.harvest(4, f.stream.ref(), -1, direct ? host.data() : nullptr);
+      f.snapshots.copy_to_host(slot, host.data(), f.copy.ref());
+      f.snapshots.wait(slot);
+      CHECK(f.snapshots.status(slot).clean());
+    }
+    CHECK(host[0] == f.id(0, 0, 0, f.snapshots.ring_depth() - 1));
+  }
+}
+
+TEST_CASE("step snapshots: reports of a harvest never waited for do not leak into the next step on its slot")
+{
+  fixture<std::uint8_t, std::uint8_t> f{2, 2, 100, 8};
+  std::vector<std::int64_t> bad{1, 2, 3, 150};
+  f.snapshots.open_step(f.stream.ref());
+  f.capture_all(4, 0);
+  f.snapshots.capture(0, bad.data(), 2, f.stream.ref());
+  f.stream.synchronize();
+  const std::int32_t dropped = f.snapshots.harvest(4, f.stream.ref());  // its output is never copied nor waited for
+  std::int32_t slot          = dropped;
+  for (std::int32_t step = 1; step <= f.snapshots.ring_depth(); ++step) {
+    f.snapshots.open_step(f.stream.ref());
+    f.capture_all(4, step);
+    f.finish(4, slot);
+    CHECK(f.snapshots.status(slot).clean());
+  }
+  CHECK(slot == dropped);
+}
+
+TEST_CASE("step snapshots: only steps within the direct-write size are written into host memory by the kernel")
+{
+  fixture<std::uint8_t, std::uint8_t> f{2, 2, 100, 8};
+  CHECK(f.snapshots.direct_write_bytes() == rr::step_snapshots<rr::host_backend, std::uint8_t, std::uint8_t>::default_direct_write_bytes);
+  f.snapshots.set_direct_write_bytes(0);  // the host backend writes host memory directly whatever the size
+  std::vector<std::uint8_t> host(4 * 2 * 2, 0);
+  f.snapshots.open_step(f.stream.ref());
+  f.capture_all(4, 3);
+  const std::int32_t slot = f.snapshots.harvest(4, f.stream.ref(), -1, host.data());
+  CHECK(f.snapshots.wrote_host(slot));
+  f.snapshots.copy_to_host(slot, host.data(), f.copy.ref());  // enqueues nothing
+  f.snapshots.wait(slot);
+  CHECK(f.snapshots.ready(slot));
+  CHECK(f.snapshots.status(slot).clean());
+  CHECK(host[15] == f.id(3, 1, 1, 3));
 }

@@ -71,7 +71,8 @@ inline std::vector<std::int32_t> word_shape_router(std::int64_t rows, std::int32
 /// @brief step_snapshots<Backend, Index, Out> of L x K ids of E experts, `max_rows` rows and a ring
 /// of `depth` slots: `2 * depth + 1` steps (every slot used twice), full and partial, each captured
 /// in two halves (destination_row_offset, as a chunked batch is), harvested, copied to host memory
-/// and checked. On the host backend every other step is harvested straight into host memory.
+/// and checked. Every other step is offered host memory to harvest into: the host backend's kernel
+/// and, for steps within step_snapshots::direct_write_bytes(), the device's write it directly.
 template <class Backend, class Index, class Out>
 std::size_t step_snapshot_errors(std::int32_t layers, std::int32_t top_k, std::int32_t experts, std::int32_t max_rows,
                                  std::int32_t depth)
@@ -95,7 +96,7 @@ std::size_t step_snapshot_errors(std::int32_t layers, std::int32_t top_k, std::i
       snapshots.capture(l, ids, half, compute.ref(), first_half);
       snapshots.capture(l, ids + static_cast<std::ptrdiff_t>(half) * top_k, rows - half, compute.ref(), second_half);
     }
-    const bool direct = snapshots.kernels_write_host && step % 2 == 1;
+    const bool direct = step % 2 == 1;
     const std::int32_t slot = snapshots.harvest(rows, compute.ref(), -1, direct ? host : nullptr);
     snapshots.copy_to_host(slot, host, copy.ref());
     snapshots.wait(slot);

@@ -254,6 +254,8 @@ class capture_buffer {
 
   /// @brief Whether a step is open (begin_step() without end_step() since).
   [[nodiscard]] bool in_step() const noexcept { return in_step_; }
+  /// @brief Whether rows were written outside a step since the last reset (begin_step() resets them).
+  [[nodiscard]] bool dirty_outside_steps() const noexcept { return dirty_outside_steps_; }
 
   /// @brief Resets every row capture paths may have written (N_max at least) and what they
   /// reported, on `stream`; for a forward replayed outside any step.

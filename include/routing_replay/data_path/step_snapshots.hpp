@@ -2,10 +2,12 @@
 /// Step snapshots: the device side of an engine that hands each step's routing out as it finishes
 /// (vLLM 0.33's routed-experts capturer and its output copy). Captures go into a token-major
 /// capture_buffer; at the end of a step one kernel on the compute stream checks the step's rows,
-/// writes them into a ring slot's device snapshot in the output type and resets D; later, on the
-/// output copy stream, one copy moves the snapshot (and the step's status) to host memory and an
-/// event marks it. The compute stream never waits for a copy: a slot is reused by a harvest that
-/// waits (on the device) for the slot's previous copy.
+/// writes them in the output type and resets D. A small step's rows go straight into the caller's
+/// pinned host memory from that kernel (no copy, no call on the output stream); a larger step's go
+/// into a ring slot's device snapshot, and later, on the output copy stream, one copy moves them to
+/// host memory and an event marks it. The step's status (what the device found wrong) stays on the
+/// device unless the kernel flagged a report in a word of pinned memory: a clean step costs no
+/// status copy and no reset. The compute stream never waits for a copy it has not seen finish.
 #pragma once
 
 #include <routing_replay/backend.hpp>
@@ -22,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -57,6 +60,7 @@ class step_snapshots {
       snapshots_(static_cast<std::size_t>(depth_) * slot_elems_),
       statuses_(static_cast<std::size_t>(depth_)),
       host_statuses_(static_cast<std::size_t>(depth_)),
+      reported_(static_cast<std::size_t>(depth_)),
       harvested_(static_cast<std::size_t>(depth_)),
       copied_(static_cast<std::size_t>(depth_)),
       slot_state_(static_cast<std::size_t>(depth_))
@@ -100,15 +104,34 @@ class step_snapshots {
     buffer_.begin_step(0, compute);
   }
 
+  /// @brief Whether open_step() would enqueue work (and so needs its stream): rows were written
+  /// outside a step, or a step is still open.
+  [[nodiscard]] bool open_step_enqueues() const noexcept { return buffer_.in_step() || buffer_.dirty_outside_steps(); }
+
   /// @brief Whether the kernels of this backend write host memory as they write device memory (the
-  /// host backend): harvest() can then put a step's rows where copy_to_host() would have copied them.
+  /// host backend): every harvest given host memory then writes the rows there.
   static constexpr bool kernels_write_host = std::is_same_v<Backend, host_backend>;
 
+  /// @brief Steps of at most this many bytes of rows are written by the end-of-step kernel straight
+  /// into the host memory harvest() is given: over PCIe that costs the compute stream a few
+  /// microseconds at this size, where the copy it replaces costs the host three calls on the output
+  /// stream. Larger steps go through the device snapshot and copy_to_host(), which leave the compute
+  /// stream at device-memory speed.
+  static constexpr std::size_t default_direct_write_bytes = std::size_t{128} << 10;
+
+  /// @brief Sets the largest step (bytes of rows) harvest() writes straight into host memory; 0:
+  /// none (on the host backend every step given host memory is written there in any case).
+  void set_direct_write_bytes(std::size_t bytes) noexcept { direct_write_bytes_ = bytes; }
+  /// @brief The largest step harvest() writes straight into host memory.
+  [[nodiscard]] std::size_t direct_write_bytes() const noexcept { return direct_write_bytes_; }
+
   /// @brief The step's forward is enqueued on `compute`: one kernel checks rows [0, num_rows),
-  /// snapshots them into the next ring slot and resets D. Waits (on the device) for that slot's
-  /// previous copy. `padded_rows` as step_plan::set_padded_rows() (-1: unknown). `host_rows`, where
-  /// copy_to_host() will put the rows: with kernels_write_host the kernel writes them there at once
-  /// and copy_to_host() then moves only the status (one pass over the rows fewer).
+  /// writes them and resets D. `padded_rows` as step_plan::set_padded_rows() (-1: unknown).
+  /// `host_rows` (from Backend::allocate_pinned, or null) is where copy_to_host() would put the
+  /// rows: where the step is small enough (direct_write_bytes(); any size on the host backend) the
+  /// kernel writes them there itself and copy_to_host() enqueues nothing; otherwise the kernel
+  /// writes the next ring slot's snapshot, after waiting (on the device) for that slot's previous
+  /// copy where the host has not seen it finish.
   /// @return the ring slot
   /// @throws error too_many_tokens
   std::int32_t harvest(std::int64_t num_rows, stream_ref compute, std::int64_t padded_rows = -1, Out* host_rows = nullptr)
@@ -119,49 +142,65 @@ class step_snapshots {
     }
     const std::int32_t slot = next_slot_;
     slot_record& record     = slot_state_[static_cast<std::size_t>(slot)];
-    if (record.copy_recorded) { Backend::wait(compute, copied_[static_cast<std::size_t>(slot)]); }
-    if (record.status_dirty) {  // a harvest whose copy never came left its reports
+    const auto row_bytes    = static_cast<std::size_t>(num_rows * row_elems_) * sizeof(Out);
+    const bool direct       = host_rows != nullptr && (kernels_write_host || row_bytes <= direct_write_bytes_);
+    if (!direct && record.copy_unseen) { Backend::wait(compute, copied_[static_cast<std::size_t>(slot)]); }
+    if (record.reports_unread) {  // a harvest never waited for may have left reports on the device
+      // its flag stays: wait() then reads the status back, which holds this step's reports alone
       Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, compute);
     }
-    // the kernel's device form moves whole words of D and of the ring slot, which must be aligned
-    // for them; checked on every backend and in direct mode too, so that the host backend fails
-    // where a GPU would fault
+    // the kernel's device form moves whole words of D and of what it writes, which must be aligned
+    // for them; checked on every backend, so that the host backend fails where a GPU would fault
+    Out* into = direct ? host_rows : snapshot(slot);
     detail::require_word_aligned<detail::word16>(buffer_.whole().data_handle());
-    detail::require_word_aligned<typename detail::harvest_token_rows<Index, Out>::out_word>(snapshot(slot));
-    const bool direct = kernels_write_host && host_rows != nullptr;
-    Out* into         = direct ? host_rows : snapshot(slot);
+    detail::require_word_aligned<typename detail::harvest_token_rows<Index, Out>::out_word>(into);
     buffer_.end_step_with(num_rows, padded_rows, [&](auto d, detail::step_status* reports, std::int64_t reset_rows) {
-      launch(make_kernel(d, into, status_device(slot), reports, num_rows, reset_rows), compute);
+      launch(make_kernel(d, into, status_device(slot), reports, num_rows, reset_rows, &reported_word(slot)), compute);
     });
     Backend::record(harvested_[static_cast<std::size_t>(slot)], compute);
-    record.status_dirty = true;
-    record.rows         = num_rows;
-    record.direct       = direct;
-    next_slot_          = (slot + 1) % depth_;
+    record.reports_unread = true;
+    record.copied         = false;
+    record.rows           = num_rows;
+    record.direct         = direct;
+    next_slot_            = (slot + 1) % depth_;
     return slot;
   }
 
   /// @brief On `copy`: the slot's rows (as many as harvested) into `host` (pinned for the CUDA
-  /// backend; the harvest's `host_rows`, where it wrote them already) and its status into host
-  /// memory, then an event. Waits (on the device) for the harvest.
+  /// backend), then an event; waits (on the device) for the harvest. Nothing where the harvest wrote
+  /// the rows into host memory itself (wrote_host()).
   void copy_to_host(std::int32_t slot, Out* host, stream_ref copy)
   {
     slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
+    if (record.direct) { return; }
     Backend::wait(copy, harvested_[static_cast<std::size_t>(slot)]);
-    if (!record.direct) {
-      Backend::copy_async(host, snapshot(slot), static_cast<std::size_t>(record.rows * row_elems_) * sizeof(Out), copy);
-    }
-    Backend::copy_async(Backend::data(host_statuses_) + slot, status_device(slot), sizeof(detail::step_status), copy);
-    Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, copy);
+    Backend::copy_async(host, snapshot(slot), static_cast<std::size_t>(record.rows * row_elems_) * sizeof(Out), copy);
     Backend::record(copied_[static_cast<std::size_t>(slot)], copy);
-    record.copy_recorded = true;
-    record.status_dirty  = false;
+    record.copied      = true;
+    record.copy_unseen = true;
   }
 
-  /// @brief Blocks until the slot's copy is done; then status() holds the step's problems.
-  void wait(std::int32_t slot) { Backend::synchronize(copied_[static_cast<std::size_t>(slot)]); }
-  /// @brief Whether the slot's copy is done.
-  [[nodiscard]] bool ready(std::int32_t slot) const { return Backend::ready(copied_[static_cast<std::size_t>(slot)]); }
+  /// @brief Whether the slot's harvest wrote its rows into host memory itself.
+  [[nodiscard]] bool wrote_host(std::int32_t slot) const noexcept { return slot_state_[static_cast<std::size_t>(slot)].direct; }
+
+  /// @brief Blocks until the slot's rows are in host memory (its copy, or its harvest where that
+  /// wrote them); then status() holds the step's problems. Where the kernel flagged a report, the
+  /// status is read back from the device and reset there first.
+  void wait(std::int32_t slot)
+  {
+    slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
+    Backend::synchronize(done_event(slot));
+    record.copy_unseen = false;
+    if (!record.reports_unread) { return; }
+    record.reports_unread = false;
+    if (reported_word(slot) == 0) {
+      host_statuses_[static_cast<std::size_t>(slot)] = detail::step_status{};
+      return;
+    }
+    fetch_status(slot);
+  }
+  /// @brief Whether the slot's rows are in host memory.
+  [[nodiscard]] bool ready(std::int32_t slot) const { return Backend::ready(done_event(slot)); }
   /// @brief What the slot's step reported (after wait()).
   [[nodiscard]] const detail::step_status& status(std::int32_t slot) const noexcept
   {
@@ -172,11 +211,32 @@ class step_snapshots {
 
  private:
   struct slot_record {
-    bool copy_recorded = false;  // copied_ was recorded at least once
-    bool status_dirty  = false;  // the device status holds a harvest's reports not yet copied and zeroed
-    bool direct        = false;  // the harvest wrote the rows to host memory itself
-    std::int64_t rows  = 0;
+    bool copy_unseen    = false;  // copied_ was recorded and no wait() has seen it finish since
+    bool copied         = false;  // copy_to_host() enqueued the copy of the slot's last harvest
+    bool reports_unread = false;  // the last harvest's reports (if any) are still on the device
+    bool direct         = false;  // the harvest wrote the rows to host memory itself
+    std::int64_t rows   = 0;
   };
+
+  [[nodiscard]] const typename Backend::event& done_event(std::int32_t slot) const noexcept
+  {
+    const slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
+    return record.copied ? copied_[static_cast<std::size_t>(slot)] : harvested_[static_cast<std::size_t>(slot)];
+  }
+
+  [[nodiscard]] std::uint32_t& reported_word(std::int32_t slot) noexcept { return Backend::data(reported_)[slot]; }
+
+  // The rare path: the kernel flagged a report, so the status comes back from the device (on a
+  // stream of its own, made the first time; the harvest is known to be done) and is reset there.
+  void fetch_status(std::int32_t slot)
+  {
+    if (!status_stream_) { status_stream_ = std::make_unique<typename Backend::stream>(); }
+    const stream_ref s = status_stream_->ref();
+    Backend::copy_async(Backend::data(host_statuses_) + slot, status_device(slot), sizeof(detail::step_status), s);
+    Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, s);
+    Backend::synchronize(s);
+    reported_word(slot) = 0;
+  }
 
   static replay_config make_config(std::int32_t num_layers, std::int32_t top_k, std::int32_t num_experts, std::int32_t max_rows)
   {
@@ -209,10 +269,11 @@ class step_snapshots {
   template <class Mdspan>
   [[nodiscard]] detail::harvest_token_rows<Index, Out> make_kernel(Mdspan d, Out* into, detail::step_status* status,
                                                                     detail::step_status* reports, std::int64_t rows,
-                                                                    std::int64_t reset_rows) const noexcept
+                                                                    std::int64_t reset_rows,
+                                                                    std::uint32_t* reported = nullptr) const noexcept
   {
     return {d.data_handle(), into, status, reports, config_.num_experts, layers_.num_layers(), config_.top_k,
-            rows * row_elems_, reset_rows * row_elems_, captured_};
+            rows * row_elems_, reset_rows * row_elems_, captured_, reported};
   }
 
   static void launch(const detail::harvest_token_rows<Index, Out>& kernel, stream_ref stream)
@@ -232,11 +293,14 @@ class step_snapshots {
   std::size_t slot_elems_;                                                      // N_max * L * K, rounded up to 16 bytes
   typename Backend::template device_vector<Out> snapshots_;                     // [depth][N_max, L, K], slot_elems_ apart
   typename Backend::template device_vector<detail::step_status> statuses_;      // per slot, on the device
-  typename Backend::template pinned_vector<detail::step_status> host_statuses_; // per slot, copied back
+  typename Backend::template pinned_vector<detail::step_status> host_statuses_; // per slot, read back
+  typename Backend::template pinned_vector<std::uint32_t> reported_;            // per slot: the kernel's report flag
+  std::unique_ptr<typename Backend::stream> status_stream_;                     // made on the first report
   std::vector<typename Backend::event> harvested_;
   std::vector<typename Backend::event> copied_;
   std::vector<slot_record> slot_state_;
   std::int32_t next_slot_ = 0;
+  std::size_t direct_write_bytes_ = default_direct_write_bytes;
   detail::captured_layers captured_;
 };
 

@@ -158,24 +158,10 @@ inline void row_streams::attach_rows(detail::filing_task& task, step_rows_owner*
 
 inline void row_streams::submit(detail::filing_task& task)
 {
-  if (task.empty()) { return; }
-  // A task of a few row copies and nothing else (a small decode step), while the filing thread has
-  // nothing in hand, runs here: waking that thread (a system call) costs more than the copies, and
-  // with no task before it nothing could reorder its writes.
-  if (task.appends.empty() && !task.update && task.dropped.empty() && worker_.idle()) {
-    std::size_t bytes = 0;
-    for (const detail::row_copy& c : task.copies) { bytes += c.bytes; }
-    if (bytes <= inline_copy_bytes) {
-      for (const detail::row_copy& c : task.copies) { std::memcpy(c.to, c.from, c.bytes); }
-      task.copies.clear();
-      if (task.rows != nullptr) {
-        task.rows->release_rows();
-        task.rows = nullptr;
-      }
-      return;
-    }
-  }
-  worker_.submit();
+  // Every copy goes to the filing thread, even a decode step's few rows: made here they would pull
+  // the tails' cold lines into the engine's caches, which on an H200 cost the step's calls more than
+  // the wake they save.
+  if (!task.empty()) { worker_.submit(); }
 }
 
 inline void row_streams::give_back_after_filing()

@@ -54,7 +54,9 @@ struct captured_layers {
 /// uint8). Per id of rows [0, N): a sentinel in a captured layer is reported unwritten, a value
 /// outside [0, E) (written around the capture path) out of range, and both read as 0; every other
 /// id is copied. Ids of rows [0, R) are reset to the sentinel. Thread 0 moves what the capture paths
-/// reported into the step's status (or drops it: `status` null) and zeroes it.
+/// reported into the step's status (or drops it: `status` null) and zeroes it. Whenever the step's
+/// status gains a report, `reported` (a word of pinned host memory, or null) is set to 1 with a
+/// plain store: the host reads that word after the step instead of copying the status every step.
 ///
 /// The device form moves a 16-byte word of D and its narrowed word (out_word) of the snapshot per
 /// thread: `buffer` must start on 16 bytes and `snapshot` on sizeof(out_word) (step_snapshots
@@ -77,6 +79,7 @@ struct harvest_token_rows {
   std::int64_t check_elems;      ///< N * L * K
   std::int64_t reset_elems;      ///< R * L * K (>= check_elems)
   captured_layers captured;      ///< layers whose sentinels are unwritten rows
+  std::uint32_t* reported = nullptr;  ///< set to 1 when `status` gains a report (nullptr: not kept)
 
   /// @brief Threads: one per word of rows [0, R), at least one.
   [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int64_t num_items() const noexcept
@@ -135,11 +138,18 @@ struct harvest_token_rows {
     if (status != nullptr) {
       status->invalid_id.absorb(capture_status->invalid_id);
       status->out_of_bounds.absorb(capture_status->out_of_bounds);
+      if (capture_status->invalid_id.count != 0ull || capture_status->out_of_bounds.count != 0ull) { mark_reported(); }
     }
     capture_status->invalid_id    = problem_report{};
     capture_status->out_of_bounds = problem_report{};
   }
 
+  // Every reporting thread stores the same value: no atomic needed, and the host reads it only after
+  // the kernel completed (its event), when every store of the kernel is visible to it.
+  ROUTING_REPLAY_HOST_DEVICE void mark_reported() const noexcept
+  {
+    if (reported != nullptr) { *static_cast<volatile std::uint32_t*>(reported) = 1u; }
+  }
   // The output of id `v` at element `e`, reporting what is wrong with it.
   ROUTING_REPLAY_HOST_DEVICE Out checked(Index v, std::int64_t e) const noexcept
   {
@@ -154,9 +164,13 @@ struct harvest_token_rows {
       const std::int32_t layer     = within / top_k;
       const std::int32_t column    = within - layer * top_k;
       if (v == index_traits<Index>::sentinel) {
-        if (captured.has(layer)) { status->unwritten.report(0, layer, row, column); }
+        if (captured.has(layer)) {
+          status->unwritten.report(0, layer, row, column);
+          mark_reported();
+        }
       } else {
         status->out_of_range.report(static_cast<std::int64_t>(v), layer, row, column);
+        mark_reported();
       }
     }
     return Out{0};

@@ -18,6 +18,7 @@ came in the step: keeping an output keeps that copy (a chunk of pinned memory) a
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -79,7 +80,6 @@ class AuxOutputWorkerConnector:
         _bind(model, capturer)
         self._capturer = capturer
         self._native = None
-        self._step_metadata = None
         self._max_concurrent_batches = vllm_config.max_concurrent_batches
         if not _is_output_rank():  # every rank captures (collectives); the output rank files
             return
@@ -96,6 +96,13 @@ class AuxOutputWorkerConnector:
         self._native = _core.VllmStreams(capturer._device, hash_block_size, scheduler.max_num_seqs,
                                          max_num_batched_tokens, vllm_config.max_concurrent_batches, max_bytes,
                                          current_stream)
+        if current_stream is not None:
+            read, key = _arrays.raw_stream_reader(capturer._device_index)
+            if key is not None:  # torch's builtin, called natively once torch holds its CUDA state
+                self._native.use_raw_stream_reader(read, key, sys.modules["torch"].cuda.is_initialized)
+        # the engine's calls go to the native methods without a Python frame in between
+        self.begin_step = self._native.begin_step
+        self.prepare_output = self._native.prepare_output
 
     @property
     def capturer(self) -> RoutedExpertsCapturer:
@@ -103,14 +110,14 @@ class AuxOutputWorkerConnector:
         return self._capturer
 
     def begin_step(self, metadata) -> None:
-        """Applies one scheduler step's metadata (AuxOutputConnectorMetadata, or None)."""
-        self._step_metadata = metadata
+        """Applies one scheduler step's metadata (AuxOutputConnectorMetadata, or None). On the output
+        rank this is the native method itself."""
         if self._native is not None:
             self._native.begin_step(metadata)
 
     def prepare_output(self, input_batch):
         """Snapshots the step on the current stream: a PendingAuxOutput, or None off the output rank
-        or without step metadata."""
+        or without step metadata. On the output rank this is the native method itself."""
         if self._native is None:
             return None
         return self._native.prepare_output(input_batch)
