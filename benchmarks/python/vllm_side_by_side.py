@@ -38,11 +38,15 @@ alone, and the engine's own copy-stream and event work around enqueue_cpu_copy),
 their mean; minflt_process_per_step_mean: the whole process's in the same window, background threads
 included, which may also fault outside it), correct, rows_checked; then one
 line per implementation with the per-request slope between decode_B64 and decode_B1024, and one line
-per scenario with the ratios vLLM / routing_replay (host path, connector calls alone).
+per scenario with the ratios vLLM / routing_replay (host path, connector calls alone). With
+--gpu-time (CUDA), each line also has compute_stream_us_median: the compute stream's time for
+prepare_output's work (vLLM: the snapshot's clone; the library: the end-of-step kernel), timed with
+CUDA events behind a spin kernel; that run's host figures include waiting for the spin kernel.
 
 Usage:
   python3 benchmarks/python/vllm_side_by_side.py [--device cuda|cpu] [--peers PATH] [--steps N]
-      [--scenarios decode_B1,...] [--impls vllm,routing_replay] [--prompt P]
+      [--scenarios decode_B1,...] [--impls vllm,routing_replay,routing_replay_copy] [--prompt P]
+      [--gpu-time]
 The peer (vLLM 0.33's code with its imports stubbed) is loaded from --peers, else from
 $ROUTING_REPLAY_PEERS, <checkout>/.peers or <checkout>/../shared/peers; it needs torch (CPU torch
 runs it on the host).
@@ -189,9 +193,11 @@ class Impl:
 
     def make(self, max_num_seqs: int, num_kv_blocks: int):
         kwargs = dict(block_size=BLOCK, num_kv_blocks=num_kv_blocks, max_concurrent_batches=2)
-        if self.name == "routing_replay":
+        if self.name.startswith("routing_replay"):
             kwargs["device"] = "cuda" if self.cuda else "cpu"
         conn = self.module.make_worker_connector(L, E, K, NMAX, max_num_seqs, **kwargs)
+        if self.name == "routing_replay_copy":  # every step through the device snapshot and a copy
+            conn.native.direct_write_bytes = 0
         self.capturer = getattr(conn, "_capturer", None) or conn.capturer
         return conn
 
@@ -261,7 +267,7 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
     rss1 = rss_bytes()
     forward = Forward(impl, peer_device)
     times = {"host": [], "connector": [], "begin": [], "prepare": [], "process": [], "prepare_output": [], "enqueue_cpu_copy": [],
-             "engine_copy_work": [], "wait": [], "process_output": []}
+             "engine_copy_work": [], "wait": [], "process_output": [], "compute_stream": []}
     faults, process_faults, requests_per_step, everyone = [], [], [], {}
     rss_filed = None
     for step in steps:
@@ -295,10 +301,19 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
         rejected = np.zeros(n, np.int32)
         impl.drain(conn)
         rss_before = rss_bytes()
+        gpu_clock = impl.cuda and ARGS.gpu_time
+        if gpu_clock:  # the compute stream's time for prepare_output's work (outside the host timers):
+            # a spin kernel first keeps the stream busy until that work is queued, so the two events
+            # bracket the work alone, not the host's time to launch it
+            g0, g1 = (impl.torch.cuda.Event(enable_timing=True) for _ in range(2))
+            impl.torch.cuda._sleep(1_000_000)
+            g0.record()
         f2, p2 = faults_now()
         t2 = time.perf_counter_ns()
         pending = conn.prepare_output(batch)
         t2a = time.perf_counter_ns()
+        if gpu_clock:
+            g1.record()
         event, enqueue_ns = impl.enqueue(pending, sampled, rejected, time.perf_counter_ns)
         t3 = time.perf_counter_ns()
         if event is not None:
@@ -306,6 +321,9 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
         t3a = time.perf_counter_ns()
         out = pending.process_output()
         t4 = time.perf_counter_ns()
+        if gpu_clock and step.timed:
+            g1.synchronize()
+            times["compute_stream"].append(g0.elapsed_time(g1) * 1e3)
         f3, p3 = faults_now()
         if name == "store_probe" and step.timed:
             time.sleep(0.2)  # writer threads (vLLM's store writes in the background) finish
@@ -354,6 +372,8 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
         "correct": correct, "rows_checked": rows_checked,
         "block_bytes": BLOCK * L * K, "rss_construct_bytes": rss1 - rss0,
     }
+    if times["compute_stream"]:
+        result["compute_stream_us_median"] = med(times["compute_stream"])
     if name == "store_probe":
         result["rss_per_filed_block_bytes"] = round(rss_filed / (NMAX // BLOCK), 1)
     return result
@@ -406,7 +426,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--prompt", type=int, default=None, help="decode scenarios' prompt (1024 CUDA, 32 CPU)")
     parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS))
-    parser.add_argument("--impls", default="vllm,routing_replay")
+    parser.add_argument("--impls", default="vllm,routing_replay",
+                        help="any of vllm, routing_replay, routing_replay_copy (the library with every step "
+                             "through the device snapshot and a copy on the output stream)")
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="CUDA: also time prepare_output's work on the compute stream with CUDA events "
+                             "behind a spin kernel (compute_stream_us_median); the wait then includes that "
+                             "kernel, so take the host figures from a run without this flag")
     parser.parse_args(namespace=ARGS)
     try:
         import torch
@@ -437,14 +463,14 @@ def main() -> None:
             module.current_platform.device_type = "cuda" if cuda else "cpu"
             module.logger.setLevel("ERROR")
             impls.append(Impl("vllm", module, backend))
-        elif name == "routing_replay":
+        elif name in ("routing_replay", "routing_replay_copy"):
             try:
                 import routing_replay.vllm as module
                 module.make_worker_connector
             except (ImportError, AttributeError) as error:
                 print(json.dumps({"impl": "routing_replay", "error": f"routing_replay.vllm: {error}"}), flush=True)
                 continue
-            impls.append(Impl("routing_replay", module, backend))
+            impls.append(Impl(name, module, backend))
     peer_device = "cuda" if cuda else "cpu"
     results = {}
     for name in ARGS.scenarios.split(","):

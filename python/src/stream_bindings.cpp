@@ -225,6 +225,9 @@ void register_vllm_streams(nb::module_& m)
     .def_prop_ro("pool_slots", [](vllm_streams& s) { return s.streams().pool_slots(); })
     .def_prop_ro("free_pool_slots", [](vllm_streams& s) { return s.streams().free_pool_slots(); })
     .def_prop_ro("host_chunks", &vllm_streams::host_chunks)
+    .def_prop_rw("direct_write_bytes", &vllm_streams::direct_write_bytes, &vllm_streams::set_direct_write_bytes,
+                 "The largest step, in bytes of rows, whose rows the end-of-step kernel writes straight into pinned "
+                 "host memory (no copy on the output stream); 0: none. The host backend writes every step so.")
     .def("tier_stats",
          [](vllm_streams& s) {
            {

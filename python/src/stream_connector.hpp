@@ -86,6 +86,10 @@ class vllm_streams {
   [[nodiscard]] row_streams& streams() noexcept { return *streams_; }
   /// @brief Chunks of host copies made so far.
   [[nodiscard]] std::size_t host_chunks() const { return chunks_->chunks(); }
+  /// @brief The largest step (bytes of rows) the end-of-step kernel writes straight into host memory.
+  [[nodiscard]] std::size_t direct_write_bytes() const noexcept { return device_->direct_write_bytes(); }
+  /// @brief Sets it (0: every step through the device snapshot and a copy on the output stream).
+  void set_direct_write_bytes(std::size_t bytes) noexcept { device_->set_direct_write_bytes(bytes); }
   /// @brief Live requests the id map knows.
   [[nodiscard]] std::size_t known_ids() const noexcept { return static_cast<std::size_t>(PyDict_Size(ids_.ptr())); }
   /// @brief Drops a finished pending step's chunk (pending_output's destructor).

@@ -48,6 +48,10 @@ class stream_device_base {
   virtual std::int32_t harvest(std::int64_t rows, void* host_rows, std::uintptr_t stream) = 0;
   /// @brief step_snapshots::copy_to_host() into `host` (pinned memory of allocate_pinned()).
   virtual void copy_to_host(std::int32_t slot, void* host, std::uintptr_t stream) = 0;
+  /// @brief step_snapshots::direct_write_bytes().
+  [[nodiscard]] virtual std::size_t direct_write_bytes() const noexcept = 0;
+  /// @brief step_snapshots::set_direct_write_bytes().
+  virtual void set_direct_write_bytes(std::size_t bytes) noexcept = 0;
   /// @brief step_snapshots::wrote_host(): the harvest wrote the rows, copy_to_host() has nothing to do.
   [[nodiscard]] virtual bool wrote_host(std::int32_t slot) const noexcept = 0;
   /// @brief step_snapshots::ready(): whether wait() would return at once.
@@ -131,6 +135,8 @@ class stream_device_impl final : public stream_device_base {
 
   [[nodiscard]] bool open_step_enqueues() const noexcept override { return snapshots_.open_step_enqueues(); }
   [[nodiscard]] bool wrote_host(std::int32_t slot) const noexcept override { return snapshots_.wrote_host(slot); }
+  [[nodiscard]] std::size_t direct_write_bytes() const noexcept override { return snapshots_.direct_write_bytes(); }
+  void set_direct_write_bytes(std::size_t bytes) noexcept override { snapshots_.set_direct_write_bytes(bytes); }
 
   std::int32_t harvest(std::int64_t rows, void* host_rows, std::uintptr_t stream) override
   {

@@ -4,17 +4,21 @@
 // is checked against that function. Scenarios: tails, whole blocks that bypass them, blocks waiting
 // for their keys, prefix hits served from the tier, rejected drafts and the capture cursor's
 // reattachment, deferred teardown, generation reset, a first step that starts mid-block, and each
-// refusal; then randomized traces with prefix sharing, drafts and finishes, every output checked.
+// refusal; then randomized traces with prefix sharing, drafts and finishes, every output checked;
+// and the filing worker running deferred tasks once waited for, and before it stops.
 #include <routing_replay/row_streams.hpp>
 
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -496,4 +500,25 @@ TEST_CASE("row streams: randomized traces with prefix sharing, chunked prefill, 
       }
     }
   }
+}
+
+TEST_CASE("filing worker: deferred tasks run when waited for, and before the worker stops")
+{
+  std::atomic<int> ran{0};
+  {
+    rr::detail::filing_worker<int> worker{16, [&](int& task) { ran.fetch_add(task); }};
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // past its idle spin: asleep
+    for (int i = 0; i < 3; ++i) {  // fewer than a quarter of the slots: no wake
+      worker.next() = 1;
+      worker.submit(true);
+    }
+    worker.wait_for(2);  // waiting wakes it
+    CHECK(ran.load() >= 2);
+    worker.drain();
+    CHECK(ran.load() == 3);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    worker.next() = 10;
+    worker.submit(true);
+  }  // stopping runs what was deferred
+  CHECK(ran.load() == 13);
 }

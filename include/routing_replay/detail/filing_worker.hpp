@@ -22,7 +22,10 @@ namespace routing_replay::detail {
 ///
 /// An idle worker polls for its next task for `idle_spin` before it sleeps: tasks come in bursts
 /// (two or three a step), and a task handed to a sleeping thread pays the wake, a system call, on
-/// the submitting thread. `run` must not throw (failures are the task's to record).
+/// the submitting thread. A task nobody waits for (a decode step's row copies) may be deferred: a
+/// sleeping worker is then woken only once a quarter of the slots hold tasks, or when the
+/// submitting thread waits for one (drain(), wait_for(), next() on a full ring), so that one wake
+/// serves several steps. `run` must not throw (failures are the task's to record).
 template <class Task>
 class filing_worker {
  public:
@@ -58,14 +61,14 @@ class filing_worker {
     return slots_[submitted % slots_.size()];
   }
 
-  /// @brief Hands the slot next() returned to the worker.
-  void submit()
+  /// @brief Hands the slot next() returned to the worker. `defer`: nothing waits for this task
+  /// soon, so a sleeping worker is left asleep while fewer than a quarter of the slots hold tasks.
+  void submit(bool defer = false)
   {
-    submitted_.fetch_add(1, std::memory_order_seq_cst);
-    if (sleeping_.load(std::memory_order_seq_cst)) {
-      { std::lock_guard lock{mutex_}; }  // the worker is between its last check and its wait, or waiting
-      wake_.notify_one();
-    }
+    const std::uint64_t submitted = submitted_.fetch_add(1, std::memory_order_seq_cst) + 1;
+    if (!sleeping_.load(std::memory_order_seq_cst)) { return; }  // it runs or polls: it sees the task
+    if (defer && submitted - completed_.load(std::memory_order_acquire) < defer_limit()) { return; }
+    wake();
   }
 
   /// @brief Waits until every submitted task has run.
@@ -85,8 +88,20 @@ class filing_worker {
   }
 
  private:
+  [[nodiscard]] std::uint64_t defer_limit() const noexcept { return slots_.size() >= 4 ? slots_.size() / 4 : 1; }
+
+  void wake()
+  {
+    { std::lock_guard lock{mutex_}; }  // the worker is between its last check and its wait, or waiting
+    wake_.notify_one();
+  }
+
   void wait_until_completed(std::uint64_t target)
   {
+    if (completed_.load(std::memory_order_acquire) >= target) { return; }
+    // deferred tasks may be waiting for a sleeping worker; one that is not sleeping now cannot fall
+    // asleep before running them (it sleeps only with nothing submitted left to run)
+    if (sleeping_.load(std::memory_order_seq_cst)) { wake(); }
     const auto until = std::chrono::steady_clock::now() + idle_spin;
     while (completed_.load(std::memory_order_acquire) < target) {
       if (std::chrono::steady_clock::now() >= until) {
