@@ -190,7 +190,7 @@ class step_snapshots {
   {
     slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
     Backend::synchronize(done_event(slot));
-    record.copy_unseen = false;
+    if (record.copied) { record.copy_unseen = false; }  // a harvest's event says nothing of an older copy
     if (!record.reports_unread) { return; }
     record.reports_unread = false;
     if (reported_word(slot) == 0) {
