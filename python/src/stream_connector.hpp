@@ -142,6 +142,9 @@ class vllm_streams {
   position_cache batch_ids_;      // input_batch.req_ids, by position
 };
 
+/// @brief str(id) for an error message ("?" where str() fails; its error is cleared).
+std::string id_text(PyObject* id);
+
 /// @brief The interned Python string of a name literal (made once; looked up by the literal's address),
 /// for attribute reads that make no string per call.
 PyObject* interned_name(const char* name);

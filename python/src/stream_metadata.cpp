@@ -73,18 +73,6 @@ class hash_view {
   std::vector<std::byte> copy_;  // only for hashes that are not packed
 };
 
-std::string id_text(PyObject* id)
-{
-  nb::object s = nb::steal(PyObject_Str(id));
-  Py_ssize_t size  = 0;
-  const char* utf8 = s.is_valid() ? PyUnicode_AsUTF8AndSize(s.ptr(), &size) : nullptr;
-  if (utf8 == nullptr) {
-    PyErr_Clear();
-    return "?";
-  }
-  return {utf8, static_cast<std::size_t>(size)};
-}
-
 nb::object attribute(nb::handle o, const char* name, bool required)
 {
   PyObject* value = PyObject_GetAttr(o.ptr(), interned_name(name));  // one lookup, no string made
@@ -96,6 +84,18 @@ nb::object attribute(nb::handle o, const char* name, bool required)
 }
 
 }  // namespace
+
+std::string id_text(PyObject* id)
+{
+  nb::object s = nb::steal(PyObject_Str(id));
+  Py_ssize_t size  = 0;
+  const char* utf8 = s.is_valid() ? PyUnicode_AsUTF8AndSize(s.ptr(), &size) : nullptr;
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    return "?";
+  }
+  return {utf8, static_cast<std::size_t>(size)};
+}
 
 PyObject* interned_name(const char* name)
 {

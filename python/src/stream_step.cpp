@@ -80,18 +80,6 @@ PyObject* new_dict_for(std::size_t n)
 #endif
 }
 
-std::string id_text(PyObject* id)
-{
-  nb::object s = nb::steal(PyObject_Str(id));
-  Py_ssize_t size  = 0;
-  const char* utf8 = s.is_valid() ? PyUnicode_AsUTF8AndSize(s.ptr(), &size) : nullptr;
-  if (utf8 == nullptr) {
-    PyErr_Clear();
-    return "?";
-  }
-  return {utf8, static_cast<std::size_t>(size)};
-}
-
 /// `n` integers of `bytes` bytes each, `byte_stride` apart from `base`, widened into `out`; false for
 /// a width other than 1, 2, 4 or 8 bytes.
 bool widen_ints(const char* base, std::ptrdiff_t byte_stride, std::size_t n, std::size_t bytes, bool is_signed,

@@ -81,12 +81,6 @@ class filing_worker {
   /// @brief Waits until task number `task` (1-based) has run.
   void wait_for(std::uint64_t task) { wait_until_completed(task); }
 
-  /// @brief Whether every submitted task has run.
-  [[nodiscard]] bool idle() const noexcept
-  {
-    return completed_.load(std::memory_order_acquire) == submitted_.load(std::memory_order_relaxed);
-  }
-
  private:
   [[nodiscard]] std::uint64_t defer_limit() const noexcept { return slots_.size() >= 4 ? slots_.size() / 4 : 1; }
 

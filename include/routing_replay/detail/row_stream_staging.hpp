@@ -7,7 +7,6 @@
 #include <routing_replay/row_streams.hpp>
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 
 namespace routing_replay {
