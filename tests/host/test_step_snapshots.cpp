@@ -3,12 +3,14 @@
 // unwritten rows of captured layers, dense layers read as 0, E = 256 narrowed from uint16 to uint8,
 // rows written outside a step reset before the next, and the device path of the same kernel
 // (its thread-per-word form, run as a loop) agreeing with the host pass; a report flagged by the
-// kernel brings the status back once, and the slot starts clean on its next use.
+// kernel brings the status back once, and the slot starts clean on its next use; the word a direct
+// harvest's kernel sets once its rows are in place.
 #include <routing_replay/data_path/step_snapshots.hpp>
 #include <routing_replay/host_backend.hpp>
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -210,4 +212,56 @@ TEST_CASE("step snapshots: only steps within the direct-write size are written i
   CHECK(f.snapshots.ready(slot));
   CHECK(f.snapshots.status(slot).clean());
   CHECK(host[15] == f.id(3, 1, 1, 3));
+}
+
+TEST_CASE("step snapshots: the kernel's last block, and the host pass, set the landed word to the harvest's number")
+{
+  const std::int32_t L = 4, K = 8;  // 32 ids a row of uint8: 2 words; 300 rows: 600 threads, 3 blocks
+  const std::int64_t rows = 300;
+  std::vector<std::uint8_t> d(static_cast<std::size_t>(rows * L * K), 7), out(d.size());
+  rr::detail::step_status status{}, captures{};
+  std::uint32_t landed = 0, arrivals = 0;
+  rr::detail::harvest_token_rows<std::uint8_t, std::uint8_t> kernel{
+    d.data(), out.data(), &status, &captures, 100, L, K, rows * L * K, rows * L * K, rr::detail::captured_layers{}};
+  kernel.landed   = &landed;
+  kernel.arrivals = &arrivals;
+  kernel.sequence = 5;
+  REQUIRE(kernel.num_blocks() == 3);
+  for (std::int32_t block = 0; block < kernel.num_blocks(); ++block) {
+    CHECK(landed == 0);  // not before every block is done
+    for (std::int32_t t = 0; t < rr::detail::kernel_block_threads; ++t) { kernel(block, t); }
+    kernel.block_done(block);
+  }
+  CHECK(landed == 5);
+  CHECK(arrivals == 0);  // ready for the slot's next harvest
+  CHECK(out[0] == 7);
+  kernel.sequence = 6;
+  kernel.buffer   = out.data();  // any rows: the host pass sets the word at its end
+  kernel.run_on_host();
+  CHECK(landed == 6);
+}
+
+TEST_CASE("step snapshots: a slot's direct harvest is not ready while its kernel waits, though the slot's last one landed")
+{
+  fixture<std::uint8_t, std::uint8_t> f{2, 2, 100, 8};
+  std::vector<std::uint8_t> host(4 * 2 * 2, 0);
+  std::int32_t slot = 0;
+  for (std::int32_t step = 0; step < f.snapshots.ring_depth(); ++step) {  // every slot landed once
+    f.snapshots.open_step(f.stream.ref());
+    f.capture_all(4, step);
+    slot = f.snapshots.harvest(4, f.stream.ref(), -1, host.data());
+    f.snapshots.wait(slot);
+  }
+  f.snapshots.open_step(f.stream.ref());
+  f.capture_all(4, 9);
+  std::atomic<bool> open{false};
+  f.stream.ref().queue().enqueue([&] { open.wait(false); });  // the stream stalls before the next kernel
+  slot = f.snapshots.harvest(4, f.stream.ref(), -1, host.data());
+  CHECK(slot == 0);
+  CHECK_FALSE(f.snapshots.ready(slot));  // slot 0's word still holds its first harvest's number
+  open = true;
+  open.notify_one();
+  f.snapshots.wait(slot);
+  CHECK(f.snapshots.ready(slot));
+  CHECK(host[15] == f.id(3, 1, 1, 9));
 }

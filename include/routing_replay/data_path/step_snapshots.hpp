@@ -3,9 +3,10 @@
 /// (vLLM 0.33's routed-experts capturer and its output copy). Captures go into a token-major
 /// capture_buffer; at the end of a step one kernel on the compute stream checks the step's rows,
 /// writes them in the output type and resets D. A small step's rows go straight into the caller's
-/// pinned host memory from that kernel (no copy, no call on the output stream); a larger step's go
-/// into a ring slot's device snapshot, and later, on the output copy stream, one copy moves them to
-/// host memory and an event marks it. The step's status (what the device found wrong) stays on the
+/// pinned host memory from that kernel (no copy, no call on the output stream), and its last block
+/// sets a word of pinned memory that tells the host they are there without a driver call; a larger
+/// step's go into a ring slot's device snapshot, and later, on the output copy stream, one copy
+/// moves them to host memory and an event marks it. The step's status (what the device found wrong) stays on the
 /// device unless the kernel flagged a report in a word of pinned memory: a clean step costs no
 /// status copy and no reset. The compute stream never waits for a copy it has not seen finish.
 #pragma once
@@ -21,6 +22,8 @@
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/index_type.hpp>
 #include <routing_replay/layer_map.hpp>
+
+#include <cuda/atomic>
 
 #include <cstddef>
 #include <cstdint>
@@ -61,6 +64,8 @@ class step_snapshots {
       statuses_(static_cast<std::size_t>(depth_)),
       host_statuses_(static_cast<std::size_t>(depth_)),
       reported_(static_cast<std::size_t>(depth_)),
+      landed_(static_cast<std::size_t>(depth_)),
+      arrivals_(static_cast<std::size_t>(depth_)),
       harvested_(static_cast<std::size_t>(depth_)),
       copied_(static_cast<std::size_t>(depth_)),
       slot_state_(static_cast<std::size_t>(depth_))
@@ -154,10 +159,17 @@ class step_snapshots {
     Out* into = direct ? host_rows : snapshot(slot);
     detail::require_word_aligned<detail::word16>(buffer_.whole().data_handle());
     detail::require_word_aligned<typename detail::harvest_token_rows<Index, Out>::out_word>(into);
+    if (direct && ++record.sequence == 0) { record.sequence = 1; }  // 0: the word's value before any harvest
     buffer_.end_step_with(num_rows, padded_rows, [&](auto d, detail::step_status* reports, std::int64_t reset_rows) {
-      launch(make_kernel(d, into, status_device(slot), reports, num_rows, reset_rows, &reported_word(slot)), compute);
+      auto kernel = make_kernel(d, into, status_device(slot), reports, num_rows, reset_rows, &reported_word(slot));
+      if (direct) {  // the rows land in host memory: the kernel says so in a word the host can read
+        kernel.landed   = &landed_word(slot);
+        kernel.arrivals = Backend::data(arrivals_) + slot;
+        kernel.sequence = record.sequence;
+      }
+      launch(kernel, compute);
     });
-    Backend::record(harvested_[static_cast<std::size_t>(slot)], compute);
+    Backend::record(harvested_[static_cast<std::size_t>(slot)], compute);  // for copy_to_host() and blocking waits
     record.reports_unread = true;
     record.copied         = false;
     record.rows           = num_rows;
@@ -184,12 +196,13 @@ class step_snapshots {
   [[nodiscard]] bool wrote_host(std::int32_t slot) const noexcept { return slot_state_[static_cast<std::size_t>(slot)].direct; }
 
   /// @brief Blocks until the slot's rows are in host memory (its copy, or its harvest where that
-  /// wrote them); then status() holds the step's problems. Where the kernel flagged a report, the
+  /// wrote them: then the kernel's word of pinned memory says so, and no driver call is made once
+  /// it has); then status() holds the step's problems. Where the kernel flagged a report, the
   /// status is read back from the device and reset there first.
   void wait(std::int32_t slot)
   {
     slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
-    Backend::synchronize(done_event(slot));
+    if (!landed(slot)) { Backend::synchronize(done_event(slot)); }
     if (record.copied) { record.copy_unseen = false; }  // a harvest's event says nothing of an older copy
     if (!record.reports_unread) { return; }
     record.reports_unread = false;
@@ -199,8 +212,9 @@ class step_snapshots {
     }
     fetch_status(slot);
   }
-  /// @brief Whether the slot's rows are in host memory.
-  [[nodiscard]] bool ready(std::int32_t slot) const { return Backend::ready(done_event(slot)); }
+  /// @brief Whether the slot's rows are in host memory (for a harvest that wrote them there, one
+  /// load of the kernel's word; otherwise an event query).
+  [[nodiscard]] bool ready(std::int32_t slot) const { return landed(slot) || Backend::ready(done_event(slot)); }
   /// @brief What the slot's step reported (after wait()).
   [[nodiscard]] const detail::step_status& status(std::int32_t slot) const noexcept
   {
@@ -215,8 +229,20 @@ class step_snapshots {
     bool copied         = false;  // copy_to_host() enqueued the copy of the slot's last harvest
     bool reports_unread = false;  // the last harvest's reports (if any) are still on the device
     bool direct         = false;  // the harvest wrote the rows to host memory itself
+    std::uint32_t sequence = 0;   // the last direct harvest's number: its kernel sets landed_ to it
     std::int64_t rows   = 0;
   };
+
+  // Whether the slot's last harvest wrote host memory and its kernel has said all of it is there
+  // (a load of pinned memory, no call into the driver).
+  [[nodiscard]] bool landed(std::int32_t slot) const noexcept
+  {
+    const slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
+    if (!record.direct) { return false; }
+    auto& word = const_cast<std::uint32_t&>(Backend::data(landed_)[slot]);  // written by the device
+    return cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{word}.load(cuda::std::memory_order_acquire) ==
+           record.sequence;
+  }
 
   [[nodiscard]] const typename Backend::event& done_event(std::int32_t slot) const noexcept
   {
@@ -225,6 +251,7 @@ class step_snapshots {
   }
 
   [[nodiscard]] std::uint32_t& reported_word(std::int32_t slot) noexcept { return Backend::data(reported_)[slot]; }
+  [[nodiscard]] std::uint32_t& landed_word(std::int32_t slot) noexcept { return Backend::data(landed_)[slot]; }
 
   // The rare path: the kernel flagged a report, so the status comes back from the device (on a
   // stream of its own, made the first time; the harvest is known to be done) and is reset there.
@@ -232,6 +259,7 @@ class step_snapshots {
   {
     if (!status_stream_) { status_stream_ = std::make_unique<typename Backend::stream>(); }
     const stream_ref s = status_stream_->ref();
+    Backend::wait(s, harvested_[static_cast<std::size_t>(slot)]);  // landed_ told the host, not this stream
     Backend::copy_async(Backend::data(host_statuses_) + slot, status_device(slot), sizeof(detail::step_status), s);
     Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, s);
     Backend::synchronize(s);
@@ -295,6 +323,8 @@ class step_snapshots {
   typename Backend::template device_vector<detail::step_status> statuses_;      // per slot, on the device
   typename Backend::template pinned_vector<detail::step_status> host_statuses_; // per slot, read back
   typename Backend::template pinned_vector<std::uint32_t> reported_;            // per slot: the kernel's report flag
+  typename Backend::template pinned_vector<std::uint32_t> landed_;              // per slot: the last direct harvest's number, once done
+  typename Backend::template device_vector<std::uint32_t> arrivals_;            // per slot: blocks of its kernel done
   std::unique_ptr<typename Backend::stream> status_stream_;                     // made on the first report
   std::vector<typename Backend::event> harvested_;
   std::vector<typename Backend::event> copied_;

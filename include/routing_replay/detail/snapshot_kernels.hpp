@@ -11,6 +11,7 @@
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/index_type.hpp>
 
+#include <cuda/atomic>
 #include <cuda/std/array>
 #include <cuda/std/bit>
 #include <cuda/std/type_traits>
@@ -57,6 +58,8 @@ struct captured_layers {
 /// reported into the step's status (or drops it: `status` null) and zeroes it. Whenever the step's
 /// status gains a report, `reported` (a word of pinned host memory, or null) is set to 1 with a
 /// plain store: the host reads that word after the step instead of copying the status every step.
+/// Where `landed` is given, the last block to finish (the host pass: the pass, at its end) stores
+/// `sequence` there: the host learns that the rows are in place from that word alone.
 ///
 /// The device form moves a 16-byte word of D and its narrowed word (out_word) of the snapshot per
 /// thread: `buffer` must start on 16 bytes and `snapshot` on sizeof(out_word) (step_snapshots
@@ -80,6 +83,15 @@ struct harvest_token_rows {
   std::int64_t reset_elems;      ///< R * L * K (>= check_elems)
   captured_layers captured;      ///< layers whose sentinels are unwritten rows
   std::uint32_t* reported = nullptr;  ///< set to 1 when `status` gains a report (nullptr: not kept)
+  std::uint32_t* landed   = nullptr;  ///< pinned word set to `sequence` once every block is done (nullptr: none)
+  std::uint32_t* arrivals = nullptr;  ///< device counter of blocks done, back to 0 by the last one
+  std::uint32_t sequence  = 0;        ///< what `landed` becomes
+
+  /// @brief Blocks of the device form (cuda_backend::launch_async of num_items() threads).
+  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int32_t num_blocks() const noexcept
+  {
+    return static_cast<std::int32_t>((num_items() + kernel_block_threads - 1) / kernel_block_threads);
+  }
 
   /// @brief Threads: one per word of rows [0, R), at least one.
   [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int64_t num_items() const noexcept
@@ -110,6 +122,20 @@ struct harvest_token_rows {
     store_word(reinterpret_cast<word16*>(buffer + first), sentinel_word<Index, word16>());
   }
 
+  /// @brief After each block of the device form: the last one sets `landed`, so the host sees the
+  /// rows in place by reading one word of pinned memory rather than querying an event. The block's
+  /// barrier and this fence at system scope order every store of the block (rows, status, report
+  /// flag) before the count; the last block's release store publishes them all to the host.
+  ROUTING_REPLAY_HOST_DEVICE void block_done(std::int32_t) const noexcept
+  {
+    if (landed == nullptr) { return; }
+    cuda::atomic_thread_fence(cuda::std::memory_order_seq_cst, cuda::thread_scope_system);
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> done{*arrivals};
+    if (done.fetch_add(1u, cuda::std::memory_order_acq_rel) + 1u != static_cast<std::uint32_t>(num_blocks())) { return; }
+    *arrivals = 0u;  // for the slot's next harvest, later on the same stream
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*landed}.store(sequence, cuda::std::memory_order_release);
+  }
+
   /// @brief The same, as one pass on the host: copy, scan, and the id-by-id path only for rows
   /// where the scan found something.
   void run_on_host() const noexcept
@@ -128,6 +154,9 @@ struct harvest_token_rows {
     }
     std::memset(static_cast<void*>(buffer), index_traits<Index>::sentinel_byte,
                 static_cast<std::size_t>(reset_elems) * sizeof(Index));
+    if (landed != nullptr) {
+      cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*landed}.store(sequence, cuda::std::memory_order_release);
+    }
   }
 
  private:
@@ -145,7 +174,7 @@ struct harvest_token_rows {
   }
 
   // Every reporting thread stores the same value: no atomic needed, and the host reads it only after
-  // the kernel completed (its event), when every store of the kernel is visible to it.
+  // the kernel completed (its event) or published its stores (`landed`).
   ROUTING_REPLAY_HOST_DEVICE void mark_reported() const noexcept
   {
     if (reported != nullptr) { *static_cast<volatile std::uint32_t*>(reported) = 1u; }
