@@ -123,15 +123,17 @@ struct harvest_token_rows {
   }
 
   /// @brief After each block of the device form: the last one sets `landed`, so the host sees the
-  /// rows in place by reading one word of pinned memory rather than querying an event. The block's
-  /// barrier and this fence at system scope order every store of the block (rows, status, report
-  /// flag) before the count; the last block's release store publishes them all to the host.
+  /// rows in place by reading one word of pinned memory rather than querying an event. Each block
+  /// counts itself with a release at GPU scope (after the block's barrier: every store of the
+  /// block, rows, status and report flag); the last one acquires them all and publishes them to the
+  /// host with one release at system scope. One system-scope fence per kernel, not one per block:
+  /// about 1 us of GPU time at 384 B to 128 KiB of rows on an H200, where a fence in every block
+  /// costs twice that.
   ROUTING_REPLAY_HOST_DEVICE void block_done(std::int32_t) const noexcept
   {
     if (landed == nullptr) { return; }
-    cuda::atomic_thread_fence(cuda::std::memory_order_seq_cst, cuda::thread_scope_system);
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> done{*arrivals};
-    if (done.fetch_add(1u, cuda::std::memory_order_acq_rel) + 1u != static_cast<std::uint32_t>(num_blocks())) { return; }
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> count{*arrivals};
+    if (count.fetch_add(1u, cuda::std::memory_order_acq_rel) + 1u != static_cast<std::uint32_t>(num_blocks())) { return; }
     *arrivals = 0u;  // for the slot's next harvest, later on the same stream
     cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*landed}.store(sequence, cuda::std::memory_order_release);
   }
