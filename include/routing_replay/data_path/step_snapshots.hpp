@@ -6,9 +6,10 @@
 /// pinned host memory from that kernel (no copy, no call on the output stream), and its last block
 /// sets a word of pinned memory that tells the host they are there without a driver call; a larger
 /// step's go into a ring slot's device snapshot, and later, on the output copy stream, one copy
-/// moves them to host memory and an event marks it. The step's status (what the device found wrong) stays on the
-/// device unless the kernel flagged a report in a word of pinned memory: a clean step costs no
-/// status copy and no reset. The compute stream never waits for a copy it has not seen finish.
+/// moves them to host memory and an event marks it. The step's status (what the device found
+/// wrong) stays on the device unless the kernel flagged a report in a word of pinned memory: a
+/// clean step costs no status copy and no reset. The compute stream never waits for a copy it has
+/// not seen finish.
 #pragma once
 
 #include <routing_replay/backend.hpp>
@@ -323,7 +324,7 @@ class step_snapshots {
   typename Backend::template device_vector<detail::step_status> statuses_;      // per slot, on the device
   typename Backend::template pinned_vector<detail::step_status> host_statuses_; // per slot, read back
   typename Backend::template pinned_vector<std::uint32_t> reported_;            // per slot: the kernel's report flag
-  typename Backend::template pinned_vector<std::uint32_t> landed_;              // per slot: the last direct harvest's number, once done
+  typename Backend::template pinned_vector<std::uint32_t> landed_;              // per slot: the number of its last direct harvest done
   typename Backend::template device_vector<std::uint32_t> arrivals_;            // per slot: blocks of its kernel done
   std::unique_ptr<typename Backend::stream> status_stream_;                     // made on the first report
   std::vector<typename Backend::event> harvested_;
