@@ -310,7 +310,7 @@ class step_snapshots {
     if constexpr (std::is_same_v<Backend, host_backend>) {
       stream.queue().enqueue([kernel] { kernel.run_on_host(); });  // one vectorized pass, not a loop of threads
     } else {
-      Backend::launch_async(detail::blocks_for(kernel.num_items()), detail::kernel_block_threads, kernel, stream);
+      Backend::launch_async(kernel.num_blocks(), detail::kernel_block_threads, kernel, stream);  // block_done() counts as many
     }
   }
 

@@ -91,7 +91,7 @@ template <class Index, class Word>
 inline constexpr std::int32_t kernel_block_threads = 256;
 
 /// @brief Blocks that cover `items` items at kernel_block_threads threads each.
-[[nodiscard]] constexpr std::int32_t blocks_for(std::int64_t items) noexcept
+[[nodiscard]] ROUTING_REPLAY_HOST_DEVICE constexpr std::int32_t blocks_for(std::int64_t items) noexcept
 {
   return static_cast<std::int32_t>((items + kernel_block_threads - 1) / kernel_block_threads);
 }

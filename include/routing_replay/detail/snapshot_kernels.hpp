@@ -88,10 +88,7 @@ struct harvest_token_rows {
   std::uint32_t sequence  = 0;        ///< what `landed` becomes
 
   /// @brief Blocks of the device form (cuda_backend::launch_async of num_items() threads).
-  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int32_t num_blocks() const noexcept
-  {
-    return static_cast<std::int32_t>((num_items() + kernel_block_threads - 1) / kernel_block_threads);
-  }
+  [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int32_t num_blocks() const noexcept { return blocks_for(num_items()); }
 
   /// @brief Threads: one per word of rows [0, R), at least one.
   [[nodiscard]] ROUTING_REPLAY_HOST_DEVICE std::int64_t num_items() const noexcept
@@ -135,7 +132,7 @@ struct harvest_token_rows {
     cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> count{*arrivals};
     if (count.fetch_add(1u, cuda::std::memory_order_acq_rel) + 1u != static_cast<std::uint32_t>(num_blocks())) { return; }
     *arrivals = 0u;  // for the slot's next harvest, later on the same stream
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*landed}.store(sequence, cuda::std::memory_order_release);
+    publish_landed();
   }
 
   /// @brief The same, as one pass on the host: copy, scan, and the id-by-id path only for rows
@@ -156,12 +153,17 @@ struct harvest_token_rows {
     }
     std::memset(static_cast<void*>(buffer), index_traits<Index>::sentinel_byte,
                 static_cast<std::size_t>(reset_elems) * sizeof(Index));
-    if (landed != nullptr) {
-      cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*landed}.store(sequence, cuda::std::memory_order_release);
-    }
+    if (landed != nullptr) { publish_landed(); }
   }
 
  private:
+  // Every store before this one (the caller's, and those it acquired) is visible to the host that
+  // reads `landed` with acquire and finds `sequence`.
+  ROUTING_REPLAY_HOST_DEVICE void publish_landed() const noexcept
+  {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*landed}.store(sequence, cuda::std::memory_order_release);
+  }
+
   using unsigned_index = std::make_unsigned_t<Index>;
 
   ROUTING_REPLAY_HOST_DEVICE void absorb_capture_reports() const noexcept
