@@ -8,7 +8,9 @@
 # Any finding (a contract violation, a sanitizer report, a timeout) fails the script; the input is
 # left in build/fuzz/findings/ and the line to reproduce it is printed (RR_FUZZ_TRACE=1 traces every
 # call). Keep each fixed finding in tests/fuzz/regressions/ (a bug of the harness) or
-# tests/fuzz/core_bugs/ (a bug of the library).
+# tests/fuzz/core_bugs/ (a bug of the library). RR_FUZZ_TYPE=N (0 to 8) runs every input as the
+# harness's policy combination N: the seed corpus replayed under each N reaches states its own types
+# do not.
 #
 #   scripts/fuzz.sh [SECONDS] [extra libFuzzer flags]
 set -euo pipefail

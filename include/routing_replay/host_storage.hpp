@@ -79,7 +79,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   store.open(h);
   store.close(h);
   cstore.check_slot_range(slots);
-  store.bind_cached(h, slots);
+  store.bind_cached(h, slots, std::uint64_t{0});
   store.begin_validation();
   store.check_slots(slots, std::int32_t{1});
   cstore.prefetch(h, slots);

@@ -47,12 +47,20 @@ using fuzzed_types =
 // The type an input runs: the seed corpus and the regression inputs were written when eight types
 // were picked by their last byte modulo 8. Picking modulo 16 keeps each input's type (value v and
 // v + 8 name type v), but for one value, unused by tests/fuzz/regressions and core_bugs, that names
-// the type added since.
+// the type added since. RR_FUZZ_TYPE=N runs every input as type N instead: each seed input is then a
+// new trace for that type (CORE-BUG-21 and 22 were found by running the seed corpus so).
 std::size_t pick_type(FuzzedDataProvider& in)
 {
   static_assert(std::tuple_size_v<fuzzed_types> == 9);
   constexpr std::size_t added = 13;  // type 5 before
   const auto v = in.ConsumeIntegralInRange<std::size_t>(0, 15);
+  static const int forced = [] {
+    const char* n = std::getenv("RR_FUZZ_TYPE");
+    return n != nullptr ? std::atoi(n) : -1;
+  }();
+  if (forced >= 0 && static_cast<std::size_t>(forced) < std::tuple_size_v<fuzzed_types>) {
+    return static_cast<std::size_t>(forced);
+  }
   return v == added ? 8 : v % 8;
 }
 

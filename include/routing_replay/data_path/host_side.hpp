@@ -97,7 +97,7 @@ class host_side {
     const std::uint32_t h = requests_.add(id);  // throws duplicate_request
     try {
       filer_.store().open(h);
-      filer_.bind_cached_prefix(h, options.cached_slots, requests_, planner_.latest_serial());
+      filer_.bind_cached_prefix(h, options.cached_slots, requests_, planner_.latest_serial(), open_serial());
     } catch (...) {  // the store refused memory: the request was never added
       requests_.remove(h);  // never allocates
       throw;
@@ -120,7 +120,11 @@ class host_side {
     [[maybe_unused]] const auto inside = threads_.enter("add_cached_prefix");
     const std::uint32_t h = requests_.find(id);
     filer_.check_cached_prefix(id, cached_slots);
-    filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial());
+    filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial(), open_serial());
+    // bound while a step that schedules it is open: readers count the prefix at once
+    if (planner_.schedules(requests_[h])) {
+      planner_.count_committed_rows(h, static_cast<std::int64_t>(cached_slots.size()));
+    }
   }
 
   /// @brief Whether a request (id or handle) is live.
@@ -147,7 +151,7 @@ class host_side {
     const auto accepted   = filer_.accept_draft(id, h, num_accepted, requests_, planner_.ended_serial());
     // the open step's own drafts wait for it like the rest of its rows
     if (planner_.schedules(requests_[h]) && accepted.step < planner_.latest_serial()) {
-      planner_.count_accepted_drafts(h, accepted.committed_through);
+      planner_.count_committed_rows(h, accepted.committed_through);
     }
   }
 
@@ -266,7 +270,16 @@ class host_side {
   template <class Backend>
   [[nodiscard]] auto filing() noexcept
   {
-    return filer_.template sink<Backend>(requests_);
+    return filer_.template sink<Backend>(requests_, accepted_drafts_committed());
+  }
+
+  /// @brief What filing calls when a step it files commits drafts accepted before (rows claimed
+  /// when a step begins): readers of an open step that schedules the request count them too.
+  [[nodiscard]] auto accepted_drafts_committed() noexcept
+  {
+    return [this](std::uint32_t h, std::int64_t committed_through) noexcept {
+      if (planner_.schedules(requests_[h])) { planner_.count_committed_rows(h, committed_through); }
+    };
   }
 
   replay_config config_;         ///< the validated configuration
@@ -278,6 +291,9 @@ class host_side {
 
  private:
   [[nodiscard]] Derived& derived() noexcept { return static_cast<Derived&>(*this); }
+
+  // The open step's serial, 0 when none is open.
+  [[nodiscard]] std::uint64_t open_serial() const noexcept { return planner_.is_open() ? planner_.latest_serial() : 0; }
 
   // The last step whose rows reading request `h` must see filed. Per-request rows are written by
   // the request's own steps only. Slots are shared through the prefix cache, and any ended step may

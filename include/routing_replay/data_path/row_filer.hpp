@@ -30,10 +30,16 @@ namespace routing_replay {
 
 
 /// @brief What accept_draft() resolved: the draft group's step, and one past the last position it
-/// committed at once (0 if none, or if that waits for the group's rows to be filed).
+/// committed at once (0 if none, or if that waits for the group's step to be filed).
 struct accepted_drafts {
   std::uint64_t step                = 0;  ///< serial of the step whose drafts these were
   std::int64_t committed_through    = 0;  ///< one past the last position committed now
+};
+
+/// @brief The default listener of row_filer::file(): nothing to tell of drafts a step commits.
+struct no_commit_listener {
+  /// @brief Ignores the request handle and its new T.
+  void operator()(std::uint32_t, std::int64_t) const noexcept {}
 };
 
 /// @brief Files steps into a host store (`Store`, from a host_storage policy) for rows that
@@ -62,17 +68,19 @@ class row_filer : public row_claimer<Index, Store, Site> {
   /// @brief The layer map rows are laid out by.
   [[nodiscard]] const layer_map& layers() const noexcept { return layers_; }
 
-  /// @brief The copy pipeline's step_sink that files its steps here, over the live `requests`.
-  template <class Backend>
+  /// @brief The copy pipeline's step_sink that files its steps here, over the live `requests`;
+  /// `on_commit` as file() takes it.
+  template <class Backend, class OnCommit>
   struct pipeline_sink {
     row_filer& filer;            ///< where steps are filed
     request_registry& requests;  ///< the live requests
+    OnCommit on_commit;          ///< told of drafts a filed step commits
     /// @brief A step's rows and status arrived in its ring slot.
     template <class Slot>
     void file(Slot& slot)
     {
       const Index* staging = Site == scatter_site::host ? Backend::data(slot.staging) : nullptr;
-      filer.file(slot.step, *Backend::data(slot.status), staging, requests);
+      filer.file(slot.step, *Backend::data(slot.status), staging, requests, on_commit);
     }
     /// @brief A step's rows never arrive.
     void discard(const step_record<Index>& step) { filer.discard(step, requests); }
@@ -81,10 +89,10 @@ class row_filer : public row_claimer<Index, Store, Site> {
   };
 
   /// @brief The copy pipeline's sink for steps filed here.
-  template <class Backend>
-  [[nodiscard]] pipeline_sink<Backend> sink(request_registry& requests) noexcept
+  template <class Backend, class OnCommit>
+  [[nodiscard]] pipeline_sink<Backend, OnCommit> sink(request_registry& requests, OnCommit on_commit) noexcept
   {
-    return {*this, requests};
+    return {*this, requests, on_commit};
   }
 
   // --- requests -----------------------------------------------------------------------------------
@@ -107,14 +115,16 @@ class row_filer : public row_claimer<Index, Store, Site> {
   }
 
   /// @brief Serves positions [0, cached_slots.size()) of request `h` from cached slots (checked).
-  /// Their rows may still be on their way from any step planned so far, up to `latest_step`.
+  /// Their rows may still be on their way from any step planned so far, up to `latest_step`;
+  /// `open_step` is the step open now (0: none), whose claims hold no row yet.
   void bind_cached_prefix(std::uint32_t h,
                           std::span<const std::int64_t> cached_slots,
                           request_registry& requests,
-                          std::uint64_t latest_step)
+                          std::uint64_t latest_step,
+                          std::uint64_t open_step)
   {
     const auto n = static_cast<std::int64_t>(cached_slots.size());
-    store_.bind_cached(h, cached_slots);
+    store_.bind_cached(h, cached_slots, open_step);
     auto& r         = requests[h];
     r.recorded_rows = std::max(r.recorded_rows, n);
     if (Store::slot_indexed && n > 0) { r.reads_step = latest_step; }
@@ -133,18 +143,25 @@ class row_filer : public row_claimer<Index, Store, Site> {
   /// @brief A step's rows and verdict have arrived; the verdict decides whether it is stored at
   /// all. `staging` holds its rows token-major ([N, L, K]) where the host places them; where a
   /// kernel did, the rows are already in place (or replaced by the sentinel if the verdict is bad).
+  ///
+  /// Where rows are claimed when a step begins, drafts of this step accepted before it was filed
+  /// commit now: `on_commit(handle, committed_through)` is called for each such request (a step
+  /// still open counts them for its readers), after its T was raised.
   /// @throws error invalid_expert_id, invalid_argument, missing_routing: the device reported a
   /// problem; the step was discarded as a whole
+  template <class OnCommit = no_commit_listener>
   void file(const step_record<Index>& step,
             const detail::step_status& status,
             const Index* staging,
-            request_registry& requests)
+            request_registry& requests,
+            OnCommit&& on_commit = {})
   {
     if (!status.clean()) {
       discard(step, requests);
       throw error{detail::device_problem_code(status),
                   detail::describe_device_problem(status, step, requests, layers_, num_experts_, top_k_)};
     }
+    if constexpr (claimer::claims_when_planned) { commit_accepted_drafts(step, requests, on_commit); }
     if constexpr (Site == scatter_site::host) {
       const auto row_bytes = static_cast<std::size_t>(row_elems_) * sizeof(Index);
       auto place           = [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) {
@@ -205,7 +222,11 @@ class row_filer : public row_claimer<Index, Store, Site> {
 
   /// @brief A step left the copy pipeline, oldest first: rows claimed when it began are readable
   /// from now on (a discarded step's read as missing).
-  void retired(const step_record<Index>& step) { store_.set_filed_through(step.serial); }
+  void retired(const step_record<Index>& step)
+  {
+    store_.set_filed_through(step.serial);
+    retired_through_ = step.serial;
+  }
 
   // --- drafts ------------------------------------------------------------------------------------
 
@@ -234,6 +255,12 @@ class row_filer : public row_claimer<Index, Store, Site> {
         store_.erase(h, group->first_position + d, group->slots[static_cast<std::size_t>(d)]);
         group->owned &= ~(1u << d);
       }
+    }
+    // Rows claimed when a step begins: the group's rows are claimed, but its step may still be open
+    // or in flight. What it accepted commits when that step is filed (file()); a discarded step
+    // commits nothing, as none of its other rows (CORE-BUG-19).
+    if constexpr (claimer::claims_when_planned) {
+      if (group->step_serial > retired_through_) { return {group->step_serial, 0}; }
     }
     const accepted_drafts done{group->step_serial, group->accepted > 0 ? group->first_position + group->accepted : 0};
     r.recorded_rows = std::max(r.recorded_rows, done.committed_through);
@@ -279,6 +306,27 @@ class row_filer : public row_claimer<Index, Store, Site> {
   }
 
  private:
+  // Drafts of `step` accepted before it was filed (claims when planned) commit now: T rises to
+  // them, the group is resolved, and `on_commit` hears of it.
+  template <class OnCommit>
+  static void commit_accepted_drafts(const step_record<Index>& step, request_registry& requests, OnCommit& on_commit)
+  {
+    for (const auto& run : step.runs) {
+      if (run.num_draft == 0) { continue; }
+      auto& r = requests[run.handle];
+      if (r.generation != run.generation) { continue; }
+      const auto group = std::find_if(r.drafts.begin(), r.drafts.end(), [&](const draft_group& g) {
+        return g.step_serial == step.serial && g.accepted >= 0;
+      });
+      if (group == r.drafts.end()) { continue; }
+      const std::int64_t committed = group->accepted > 0 ? group->first_position + group->accepted : 0;
+      r.drafts.erase(group);
+      if (committed == 0) { continue; }
+      r.recorded_rows = std::max(r.recorded_rows, committed);
+      on_commit(run.handle, committed);
+    }
+  }
+
   // A discarded step gives the tentative draft rows it took over back to their draft groups, where
   // these are still pending.
   static void give_back_drafts(const step_record<Index>& step, request_registry& requests) noexcept
@@ -305,7 +353,9 @@ class row_filer : public row_claimer<Index, Store, Site> {
     for (const auto& t : step.taken) {
       if (t.handle != c.handle || t.position != c.position) { continue; }
       for (const auto& g : r.drafts) {
-        if (g.step_serial == t.group_step && g.accepted < 0) { return true; }
+        if (g.step_serial != t.group_step) { continue; }
+        // pending; or accepted while its step was unfiled: committed if accepted, once that files
+        return g.accepted < 0 || t.position < g.first_position + g.accepted;
       }
       return t.position < r.recorded_rows;
     }
@@ -313,6 +363,7 @@ class row_filer : public row_claimer<Index, Store, Site> {
   }
 
   layer_map layers_;
+  std::uint64_t retired_through_ = 0;  // the latest step that left the copy pipeline (filed or discarded)
   std::int64_t num_experts_;
   std::int32_t top_k_;
   std::int64_t max_model_len_;

@@ -52,10 +52,11 @@ class step_validator {
   [[nodiscard]] std::uint64_t ended_serial() const noexcept { return open_ ? serial_ - 1 : serial_; }
   /// @brief The open step's record, or nullptr when no step is open.
   [[nodiscard]] const step_record<Index>* open_step() const noexcept { return open_ ? &record_ : nullptr; }
-  /// @brief Drafts of request `h` accepted while a step is open commit positions up to
-  /// `committed_through`: readers count them at once, though the open step's own rows wait for it
-  /// to be filed (its runs keep the T readers see, step_run::recorded_before).
-  void count_accepted_drafts(std::uint32_t h, std::int64_t committed_through) noexcept
+  /// @brief Positions of request `h` up to `committed_through` were committed while a step is open
+  /// (drafts of an earlier step accepted or filed, a prefix bound): readers count them at once,
+  /// though the open step's own rows wait for it to be filed (its runs keep the T readers see,
+  /// step_run::recorded_before).
+  void count_committed_rows(std::uint32_t h, std::int64_t committed_through) noexcept
   {
     if (!open_) { return; }
     for (auto& run : record_.runs) {

@@ -95,13 +95,16 @@ class block_slot_store : public slot_pool<Index, RowMemory> {
   void open(std::uint32_t h) { positions_.open(h); }
 
   /// @brief Prefix-cache hit: positions [0, cached_slots.size()) of `h` are served from those
-  /// slots as their blocks are now, except positions that already hold a valid row.
-  void bind_cached(std::uint32_t h, std::span<const std::int64_t> cached_slots)
+  /// slots as their blocks are now, except positions that already hold a row (one readers see, or
+  /// one on its way from a step that has ended). A slot claimed by `open_step` (0: none) alone
+  /// holds nothing yet: such a position follows the engine's cached slot too, so that a discard
+  /// of that step cannot leave it at a slot a later step fills for another position (CORE-BUG-20).
+  void bind_cached(std::uint32_t h, std::span<const std::int64_t> cached_slots, std::uint64_t open_step)
   {
     const auto n = static_cast<std::int64_t>(cached_slots.size());
     positions_.reserve(h, n);
     positions_.for_each(h, 0, n, [&](std::size_t p, position_ref& at) {
-      if (!claimed(at.now) && !pending(at)) { at = settled(ref_to(cached_slots[p])); }
+      if (!holds_row(at.now, open_step) && !pending(at)) { at = settled(ref_to(cached_slots[p])); }
     });
   }
 
@@ -301,6 +304,15 @@ class block_slot_store : public slot_pool<Index, RowMemory> {
   [[nodiscard]] static position_ref settled(slot_ref at) noexcept { return {at, slot_ref{}, 0}; }
 
   [[nodiscard]] bool pending(const position_ref& at) const noexcept { return at.mapped_by > filed_through_; }
+
+  // Whether `at` holds a row, or one is on its way: claimed, and not by the open step `open_step`
+  // alone (a claim that replaced a row of the same generation leaves that row readable).
+  [[nodiscard]] bool holds_row(const slot_ref& at, std::uint64_t open_step) const noexcept
+  {
+    if (!claimed(at)) { return false; }
+    const slot_state& state = slots_[static_cast<std::size_t>(at.slot)];
+    return open_step == 0 || state.claimed_by_step() != open_step || state.replaced_row();
+  }
   [[nodiscard]] slot_ref visible(const position_ref& at) const noexcept { return pending(at) ? at.before : at.now; }
 
   // claim() of the position whose mapping is `at`; a claim made as its step is planned knows its

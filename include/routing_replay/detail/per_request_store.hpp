@@ -60,7 +60,7 @@ class per_request_store : public request_ranges<Index, RowMemory> {
   /// @brief Nothing to check: cached slots are not used here.
   void check_slot_range(std::span<const std::int64_t>) const noexcept {}
   /// @brief A prefix-cache hit has no rows here: its positions read as missing.
-  void bind_cached(std::uint32_t, std::span<const std::int64_t>) noexcept {}
+  void bind_cached(std::uint32_t, std::span<const std::int64_t>, std::uint64_t) noexcept {}
   /// @brief Starts a validation pass of a step plan (nothing to track).
   void begin_validation() noexcept {}
   /// @brief Checks the slots of a scheduled request (nothing to check: rows live at positions).
@@ -95,7 +95,9 @@ class per_request_store : public request_ranges<Index, RowMemory> {
     r.last_claim = std::max(r.last_claim, step);  // even if the row stays: a step that tried holds the segments
     if (!replace && by != 0) { return {}; }
     const std::uint64_t replaced = by != 0 ? by : row_claim<Index>::no_claim;
-    by                           = step;
+    // a claim over a row keeps that row readable until its step is filed (claims made as a step
+    // begins: a device scatter writes the new row only once the step has ended)
+    by = by != 0 ? step | replaced_bit : step;
     r.claimed_end                = std::max(r.claimed_end, position + 1);
     return {row_at(r, position), nullptr, replaced};
   }
@@ -178,7 +180,7 @@ class per_request_store : public request_ranges<Index, RowMemory> {
     auto& r = rows_[h];
     settle(r);
     auto& by = r.claimed_by[static_cast<std::size_t>(position)];
-    if (by == serial) { by = prior; }
+    if (claim_step(by) == serial) { by = prior; }
   }
 
   /// @brief Undoes the claim of (`h`, `position`) if step `serial` made it (a discarded step).
@@ -187,7 +189,7 @@ class per_request_store : public request_ranges<Index, RowMemory> {
     auto& r = rows_[h];
     settle(r);
     auto& by = r.claimed_by;
-    if (static_cast<std::size_t>(position) < by.size() && by[static_cast<std::size_t>(position)] == serial) {
+    if (static_cast<std::size_t>(position) < by.size() && claim_step(by[static_cast<std::size_t>(position)]) == serial) {
       by[static_cast<std::size_t>(position)] = 0;
     }
   }
@@ -213,7 +215,7 @@ class per_request_store : public request_ranges<Index, RowMemory> {
     host_view(r);
     for (std::int64_t p = first; p < first + count; ++p) {
       const std::uint64_t by = r.claimed_by[static_cast<std::size_t>(p)];
-      if (by > filed_through_) { return nullptr; }
+      if (!readable(by)) { return nullptr; }
       if (by == 0) { std::fill_n(row_at(r, p), row_elems_, index_traits<Index>::sentinel); }
     }
     return row_at(r, first);
@@ -234,13 +236,24 @@ class per_request_store : public request_ranges<Index, RowMemory> {
     if (static_cast<std::size_t>(position) >= r.claimed_by.size()) { return false; }
     const std::uint64_t by =
       r.recent.holds(position) ? r.recent.serial_at(position) : r.claimed_by[static_cast<std::size_t>(position)];
-    if (by == 0 || by > filed_through_) { return false; }
+    if (by == 0 || !readable(by)) { return false; }
     host_view(r);
     std::memcpy(out, row_at(r, position), row_bytes_);
     return true;
   }
 
  private:
+  // A claim (the claiming step's serial) with this bit replaced a row that readers keep seeing
+  // until that step is filed; serials stay far below it.
+  static constexpr std::uint64_t replaced_bit = std::uint64_t{1} << 63;
+  [[nodiscard]] static std::uint64_t claim_step(std::uint64_t by) noexcept { return by & ~replaced_bit; }
+  // Whether readers see the row of a claim (0: none, which callers tell apart): its step has been
+  // filed, or it replaced a row that is still there.
+  [[nodiscard]] bool readable(std::uint64_t by) const noexcept
+  {
+    return claim_step(by) <= filed_through_ || (by & replaced_bit) != 0;
+  }
+
   // What a provisional claim (claim_in_tail()) changed in its request's entry.
   struct provisional_claim {
     std::uint32_t handle;

@@ -107,7 +107,7 @@ class scheduler_replay
       std::memcpy(staging_.data() + run.first_row * row_elems, p.runs()[i].rows,
                   static_cast<std::size_t>(run.num_tokens * row_elems) * sizeof(Index));
     }
-    this->filer_.file(step, p.status(), staging_.data(), this->requests_);
+    this->filer_.file(step, p.status(), staging_.data(), this->requests_, this->accepted_drafts_committed());
   }
 
  private:
