@@ -64,6 +64,10 @@ struct alignas(64) request_state {
   std::uint64_t reads_step = 0;
   std::vector<draft_group> drafts;    ///< FIFO of draft groups not yet fully resolved
   std::int64_t prompt_length = -1;  ///< from add_request(), -1 if unknown
+  /// @brief Rows claimed when a step begins: one past the highest position committed by no step
+  /// still unfiled (drafts accepted of a filed step, a prefix bound). A discarded step gives T back
+  /// as it was before the step, but never below this.
+  std::int64_t committed_floor = 0;
 };
 
 /// @brief Live requests: id → dense handle → request_state. Handles are reused; a handle's

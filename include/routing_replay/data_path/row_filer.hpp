@@ -125,8 +125,9 @@ class row_filer : public row_claimer<Index, Store, Site> {
   {
     const auto n = static_cast<std::int64_t>(cached_slots.size());
     store_.bind_cached(h, cached_slots, open_step);
-    auto& r         = requests[h];
-    r.recorded_rows = std::max(r.recorded_rows, n);
+    auto& r           = requests[h];
+    r.recorded_rows   = std::max(r.recorded_rows, n);
+    r.committed_floor = std::max(r.committed_floor, n);
     if (Store::slot_indexed && n > 0) { r.reads_step = latest_step; }
   }
 
@@ -204,7 +205,9 @@ class row_filer : public row_claimer<Index, Store, Site> {
       for (const auto& run : step.runs) {
         auto& r = requests[run.handle];
         if (r.generation == run.generation && r.recorded_rows == run.recorded_after) {
-          r.recorded_rows = run.recorded_before;
+          // positions committed meanwhile outside this step (an earlier step's drafts accepted
+          // and filed, a prefix bound) stay
+          r.recorded_rows = std::max(run.recorded_before, r.committed_floor);
         }
       }
       give_back_drafts(step, requests);
@@ -263,7 +266,8 @@ class row_filer : public row_claimer<Index, Store, Site> {
       if (group->step_serial > retired_through_) { return {group->step_serial, 0}; }
     }
     const accepted_drafts done{group->step_serial, group->accepted > 0 ? group->first_position + group->accepted : 0};
-    r.recorded_rows = std::max(r.recorded_rows, done.committed_through);
+    r.recorded_rows   = std::max(r.recorded_rows, done.committed_through);
+    r.committed_floor = std::max(r.committed_floor, done.committed_through);
     if (group->accepted_through <= group->step_serial) { r.drafts.erase(group); }  // else kept for the steps after its own
     return done;
   }
@@ -322,7 +326,8 @@ class row_filer : public row_claimer<Index, Store, Site> {
       const std::int64_t committed = group->accepted > 0 ? group->first_position + group->accepted : 0;
       r.drafts.erase(group);
       if (committed == 0) { continue; }
-      r.recorded_rows = std::max(r.recorded_rows, committed);
+      r.recorded_rows   = std::max(r.recorded_rows, committed);
+      r.committed_floor = std::max(r.committed_floor, committed);
       on_commit(run.handle, committed);
     }
   }
