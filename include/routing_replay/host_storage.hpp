@@ -95,6 +95,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   store.set_filed_through(std::uint64_t{0});
   cstore.device_pieces(h, row, position, detail::piece_probe{});
   store.erase(h, position, position);
+  store.forget_replaced_row(h, position, std::uint64_t{0});
   { store.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
   { cstore.read(h, position, row) } -> std::same_as<bool>;
   cstore.read_rows(h, position, position, row);

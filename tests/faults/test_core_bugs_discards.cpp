@@ -167,3 +167,34 @@ TEST_CASE("CORE-BUG-22: a row the open step claims again reads as before until t
   REQUIRE(after.size() == 3 * 4);
   CHECK(std::count(after.begin() + 4, after.end(), std::int16_t{3}) == 8);
 }
+
+// CORE-BUG-23: CORE-BUG-22's fix kept the row a claim of the open step replaced readable until that
+// step was filed, also where that row was a tentative draft row its group then rejected: the position
+// read the rejected draft, where the drafts' resolution leaves it missing until the recompute is
+// filed. Found by the fuzzer on that fix (tests/fuzz/core_bugs/core-bug-23-rejected-draft-taken-over).
+TEST_CASE_TEMPLATE("CORE-BUG-23: a rejected draft row the open step took over reads as missing until that step is filed",
+                   RR, scattered_per_request, sync_block_slot, async_block_slot)
+{
+  small_replay<RR> s;
+  s.rr().add_request(1);
+  const std::int64_t block0[] = {0};
+  const std::int64_t slots[]  = {0, 1, 2, 3};
+  rr::step_plan drafts;  // position 0, then a draft at position 1
+  drafts.schedule({.id = 1, .first_position = 0, .num_tokens = 2, .num_draft_tokens = 1, .slots = {slots, 2}});
+  drafts.add_fresh_blocks(block0);
+  s.step(drafts, 1);
+  rr::step_plan recompute;  // position 1 again, at the same slot: takes the tentative draft row over
+  recompute.schedule({.id = 1, .first_position = 1, .num_tokens = 2, .slots = {slots + 1, 2}});
+  s.rr().begin_step(recompute, s.stream());
+  s.rr().accept_draft(1, 0);
+  const std::int64_t cached[] = {0, 1, 2};
+  s.rr().add_cached_prefix(1, cached);  // T reaches past the recompute before it is filed
+  const auto before = s.rows(1);
+  REQUIRE(before.size() == 3 * 4);
+  CHECK(std::vector<std::int16_t>(before.begin(), before.begin() + 4) == rr_test::small_row<std::int16_t>(0, 1));
+  CHECK(std::all_of(before.begin() + 4, before.end(), [](std::int16_t v) { return v == -1; }));
+  s.forward(2, valid_id);
+  s.end_step_and_drain();
+  const auto after = s.rows(1);
+  CHECK(std::count(after.begin() + 4, after.end(), std::int16_t{3}) == 8);
+}

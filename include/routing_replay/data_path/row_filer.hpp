@@ -254,9 +254,14 @@ class row_filer : public row_claimer<Index, Store, Site> {
     if constexpr (!claimer::claims_when_planned) { group->accepted_through = ended_through; }
     if (!group->filed) { return {group->step_serial, 0}; }  // resolved when its rows are filed (claim_run)
     for (std::int32_t d = 0; d < group->count; ++d) {
-      if (d >= group->accepted && ((group->owned >> d) & 1u) != 0) {
-        store_.erase(h, group->first_position + d, group->slots[static_cast<std::size_t>(d)]);
+      if (d < group->accepted) { continue; }
+      const std::int64_t position = group->first_position + d;
+      if (((group->owned >> d) & 1u) != 0) {
+        store_.erase(h, position, group->slots[static_cast<std::size_t>(d)]);
         group->owned &= ~(1u << d);
+      } else if constexpr (claimer::claims_when_planned) {
+        // a later step, not filed yet, took the row over: readers no longer see the rejected row
+        store_.forget_replaced_row(h, position, group->step_serial);
       }
     }
     // Rows claimed when a step begins: the group's rows are claimed, but its step may still be open

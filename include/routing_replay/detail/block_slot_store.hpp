@@ -224,6 +224,18 @@ class block_slot_store : public slot_pool<Index, RowMemory> {
     emit(host_dst, elems);
   }
 
+  /// @brief The row that the claim of (`h`, `position`) by a step after `step` replaced was
+  /// rejected (a tentative draft row that claim took over, at the same slot): until the claiming
+  /// step is filed, the slot reads as missing.
+  void forget_replaced_row(std::uint32_t h, std::int64_t position, std::uint64_t step) noexcept
+  {
+    if (position >= positions_.size(h)) { return; }
+    const position_ref& at = positions_.at(h, position);
+    if (!claimed(at.now)) { return; }
+    slot_state& state = slots_[static_cast<std::size_t>(at.now.slot)];
+    if (state.replaced_row() && state.claimed_by_step() > step) { state.claim = state.claimed_by_step(); }
+  }
+
   /// @brief Forgets the row of (`h`, `position`) (a rejected draft) if it is still current.
   /// Metadata only, so it is safe while a kernel may still be writing that row.
   void erase(std::uint32_t h, std::int64_t position, std::int64_t slot)

@@ -194,6 +194,18 @@ class per_request_store : public request_ranges<Index, RowMemory> {
     }
   }
 
+  /// @brief The row that the claim of (`h`, `position`) by a step after `step` replaced was
+  /// rejected (a tentative draft row that claim took over): until the claiming step is filed, the
+  /// position reads as missing.
+  void forget_replaced_row(std::uint32_t h, std::int64_t position, std::uint64_t step) noexcept
+  {
+    auto& r = rows_[h];
+    settle(r);
+    if (static_cast<std::size_t>(position) >= r.claimed_by.size()) { return; }
+    auto& by = r.claimed_by[static_cast<std::size_t>(position)];
+    if ((by & replaced_bit) != 0 && claim_step(by) > step) { by = claim_step(by); }
+  }
+
   /// @brief Forgets the row of (`h`, `position`) (a rejected draft). Metadata only, so it is safe
   /// while a kernel may still be writing that row.
   void erase(std::uint32_t h, std::int64_t position, std::int64_t /*slot*/) noexcept
