@@ -213,7 +213,7 @@ class row_streams {
   void teardown(handle h, detail::filing_task& task);
   void release_all_keys(handle h, detail::filing_task& task);
   void attach_rows(detail::filing_task& task, step_rows_owner* owner) noexcept;
-  void submit(detail::filing_task& task);
+  void submit(detail::filing_task& task, bool wake_later = false);
   void check_filing_if(bool failed) const;
   template <class Sink>
   void read_back(handle h, const pending_read& m, Sink& sink);

@@ -166,6 +166,22 @@ PyObject* make_rows_view(PyObject* holder, const void* data, std::int64_t rows, 
   return array;
 }
 
+bool numpy_int_column(PyObject* column, int_column& out) noexcept
+{
+  if (PyArray_API == nullptr || !PyArray_Check(column)) { return false; }
+  auto* array = reinterpret_cast<PyArrayObject*>(column);
+  PyArray_Descr* descr = PyArray_DESCR(array);
+  if (PyArray_NDIM(array) != 1 || !PyArray_ISNBO(descr->byteorder)) { return false; }
+  const int type = PyArray_TYPE(array);
+  if (!PyTypeNum_ISINTEGER(type)) { return false; }
+  out.data        = PyArray_BYTES(array);
+  out.count       = static_cast<std::size_t>(PyArray_DIM(array, 0));
+  out.byte_stride = static_cast<std::ptrdiff_t>(PyArray_STRIDE(array, 0));
+  out.item_bytes  = static_cast<std::size_t>(PyArray_ITEMSIZE(array));
+  out.is_signed   = PyTypeNum_ISSIGNED(type);
+  return true;
+}
+
 PyObject* make_rows_array(std::int64_t rows, std::int64_t layers, std::int64_t top_k, std::int32_t id_bytes,
                           void** data) noexcept
 {

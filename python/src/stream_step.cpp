@@ -103,11 +103,15 @@ bool widen_ints(const char* base, std::ptrdiff_t byte_stride, std::size_t n, std
   }
 }
 
-/// A 1-D column of native integers through the buffer protocol (numpy arrays, bytes, array.array):
-/// one call where a nanobind ndarray cast builds a DLPack tensor first. False where the object
-/// offers no such buffer (the caller then goes the general way, which names what is wrong).
+/// A 1-D column of native integers: a numpy array read in place, else through the buffer protocol
+/// (bytes, array.array); one call either way, where a nanobind ndarray cast builds a DLPack tensor
+/// first. False where the object offers neither (the caller then goes the general way, which names
+/// what is wrong).
 bool read_native_int_buffer(nb::handle column, std::vector<std::int64_t>& out, std::size_t limit)
 {
+  if (int_column items; numpy_int_column(column.ptr(), items)) {
+    return widen_ints(items.data, items.byte_stride, std::min(items.count, limit), items.item_bytes, items.is_signed, out);
+  }
   if (PyObject_CheckBuffer(column.ptr()) == 0) { return false; }
   Py_buffer view;
   if (PyObject_GetBuffer(column.ptr(), &view, PyBUF_RECORDS_RO) != 0) {

@@ -31,6 +31,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -170,7 +171,9 @@ class step_snapshots {
       }
       launch(kernel, compute);
     });
-    Backend::record(harvested_[static_cast<std::size_t>(slot)], compute);  // for copy_to_host() and blocking waits
+    // for copy_to_host() and blocking waits; a direct harvest's word does both jobs where a fault is
+    // reported by every later driver call (see wait()), sparing a driver call in every small step
+    if (!direct || kernels_write_host) { Backend::record(harvested_[static_cast<std::size_t>(slot)], compute); }
     record.reports_unread = true;
     record.copied         = false;
     record.rows           = num_rows;
@@ -198,12 +201,19 @@ class step_snapshots {
 
   /// @brief Blocks until the slot's rows are in host memory (its copy, or its harvest where that
   /// wrote them: then the kernel's word of pinned memory says so, and no driver call is made once
-  /// it has); then status() holds the step's problems. Where the kernel flagged a report, the
+  /// it has; on a device, such a harvest is waited for by polling that word); then status() holds
+  /// the step's problems. Where the kernel flagged a report, the
   /// status is read back from the device and reset there first.
   void wait(std::int32_t slot)
   {
     slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
-    if (!landed(slot)) { Backend::synchronize(done_event(slot)); }
+    if (!landed(slot)) {
+      if (record.direct && !kernels_write_host) {
+        wait_landed(slot);
+      } else {
+        Backend::synchronize(done_event(slot));
+      }
+    }
     if (record.copied) { record.copy_unseen = false; }  // a harvest's event says nothing of an older copy
     if (!record.reports_unread) { return; }
     record.reports_unread = false;
@@ -215,7 +225,11 @@ class step_snapshots {
   }
   /// @brief Whether the slot's rows are in host memory (for a harvest that wrote them there, one
   /// load of the kernel's word; otherwise an event query).
-  [[nodiscard]] bool ready(std::int32_t slot) const { return landed(slot) || Backend::ready(done_event(slot)); }
+  [[nodiscard]] bool ready(std::int32_t slot) const
+  {
+    if (landed(slot)) { return true; }
+    return !(slot_state_[static_cast<std::size_t>(slot)].direct && !kernels_write_host) && Backend::ready(done_event(slot));
+  }
   /// @brief What the slot's step reported (after wait()).
   [[nodiscard]] const detail::step_status& status(std::int32_t slot) const noexcept
   {
@@ -245,6 +259,17 @@ class step_snapshots {
            record.sequence;
   }
 
+  // A direct harvest on a device, recorded by no event: polls its word. A kernel that faulted
+  // never sets it, but leaves the context failed, which any driver call then reports: an event
+  // query (of the slot's event, recorded or not) every so often throws it.
+  void wait_landed(std::int32_t slot) const
+  {
+    for (std::uint32_t polls = 1; !landed(slot); ++polls) {
+      if (polls % 256 == 0) { static_cast<void>(Backend::ready(harvested_[static_cast<std::size_t>(slot)])); }
+      if (polls > 64) { std::this_thread::yield(); }
+    }
+  }
+
   [[nodiscard]] const typename Backend::event& done_event(std::int32_t slot) const noexcept
   {
     const slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
@@ -260,7 +285,12 @@ class step_snapshots {
   {
     if (!status_stream_) { status_stream_ = std::make_unique<typename Backend::stream>(); }
     const stream_ref s = status_stream_->ref();
-    Backend::wait(s, harvested_[static_cast<std::size_t>(slot)]);  // landed_ told the host, not this stream
+    // the harvest is done: its event says so to this stream, or (a direct harvest, recorded by no
+    // event on a device) the kernel's release of its word, which the host acquired, made every
+    // store of the kernel visible at system scope, this stream's copy included
+    if (!slot_state_[static_cast<std::size_t>(slot)].direct || kernels_write_host) {
+      Backend::wait(s, harvested_[static_cast<std::size_t>(slot)]);
+    }
     Backend::copy_async(Backend::data(host_statuses_) + slot, status_device(slot), sizeof(detail::step_status), s);
     Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, s);
     Backend::synchronize(s);

@@ -167,7 +167,11 @@ inline void row_streams::close_step()
   if (!failed) {
     for (const handle h : finished_now_) { teardown(h, task); }
   }
-  submit(task);
+  // The metadata's update waits for the step's commit to wake the filing thread, which runs both in
+  // order: a sleeping thread's wake is a system call on this thread, one a step rather than two. What
+  // reads the tier or the tails before then waits for the thread, which wakes it; the deferral is
+  // bounded (filing_worker wakes it once a quarter of its slots hold tasks).
+  submit(task, /*wake_later=*/true);
   if (!failed) { give_back_after_filing(); }
   check_filing_if(failed);
 }

@@ -155,15 +155,16 @@ inline void row_streams::attach_rows(detail::filing_task& task, step_rows_owner*
   }
 }
 
-inline void row_streams::submit(detail::filing_task& task)
+inline void row_streams::submit(detail::filing_task& task, bool wake_later)
 {
   if (task.empty()) { return; }
   // Every copy goes to the filing thread, even a decode step's few rows: made here they would pull
   // the tails' cold lines into the engine's caches, which on an H200 cost the step's calls more than
   // the wake they save. A task of row copies alone is deferred (one wake serves several steps): what
   // reads the tails waits for the thread first, and the copies' rows stay held until they ran.
+  // `wake_later`: the caller knows a task that wakes the thread follows soon (see close_step()).
   const bool copies_only = task.appends.empty() && !task.update && task.dropped.empty() && task.objects.empty();
-  worker_.submit(copies_only);
+  worker_.submit(wake_later || copies_only);
 }
 
 inline void row_streams::give_back_after_filing()
