@@ -121,10 +121,7 @@ class host_side {
     const std::uint32_t h = requests_.find(id);
     filer_.check_cached_prefix(id, cached_slots);
     filer_.bind_cached_prefix(h, cached_slots, requests_, planner_.latest_serial(), open_serial());
-    // bound while a step that schedules it is open: readers count the prefix at once
-    if (planner_.schedules(requests_[h])) {
-      planner_.count_committed_rows(h, static_cast<std::int64_t>(cached_slots.size()));
-    }
+    count_for_open_step(h, static_cast<std::int64_t>(cached_slots.size()));  // bound while its step is open
   }
 
   /// @brief Whether a request (id or handle) is live.
@@ -150,9 +147,7 @@ class host_side {
     const std::uint32_t h        = requests_.find(id);
     const auto accepted   = filer_.accept_draft(id, h, num_accepted, requests_, planner_.ended_serial());
     // the open step's own drafts wait for it like the rest of its rows
-    if (planner_.schedules(requests_[h]) && accepted.step < planner_.latest_serial()) {
-      planner_.count_committed_rows(h, accepted.committed_through);
-    }
+    if (accepted.step < planner_.latest_serial()) { count_for_open_step(h, accepted.committed_through); }
   }
 
   /// @brief A request's routing, rows [start_position, end_position): typically at finish, but any
@@ -277,9 +272,15 @@ class host_side {
   /// when a step begins): readers of an open step that schedules the request count them too.
   [[nodiscard]] auto accepted_drafts_committed() noexcept
   {
-    return [this](std::uint32_t h, std::int64_t committed_through) noexcept {
-      if (planner_.schedules(requests_[h])) { planner_.count_committed_rows(h, committed_through); }
-    };
+    return [this](std::uint32_t h, std::int64_t committed_through) noexcept { count_for_open_step(h, committed_through); };
+  }
+
+  /// @brief Rows of request `h` through `committed_through` were committed outside the open step
+  /// (a prefix bound, drafts accepted): where that step schedules the request, its readers count
+  /// them at once.
+  void count_for_open_step(std::uint32_t h, std::int64_t committed_through) noexcept
+  {
+    if (planner_.schedules(requests_[h])) { planner_.count_committed_rows(h, committed_through); }
   }
 
   replay_config config_;         ///< the validated configuration
