@@ -32,17 +32,6 @@ pip_install numpy numpy
 # each step's header says when it started, so that CI's time can be read step by step
 stage() { echo "== $* [${SECONDS} s]"; }
 
-# The Python stage's fresh virtual environment, made now: torch's wheels (about half of its two
-# minutes of install is the download) download into build/wheels beside the builds, which the
-# network hardly slows; the install at that stage then mostly unpacks. A failed download costs
-# nothing: that install fetches what is missing.
-python_venv=build/python-venv
-rm -rf "$python_venv" build/wheels
-mkdir -p build/wheels
-python3 -m venv "$python_venv"
-"$python_venv/bin/pip" download -q --no-cache-dir -d build/wheels torch >build/wheels.log 2>&1 &
-wheels_pid=$!
-
 stage "build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # -O0 for the .cu files' host code: nvcc's g++ pass there is most of their build (a third less at
 # -O0), and in CI it runs only the demo's small run
@@ -101,6 +90,9 @@ ctest --test-dir build/asan --output-on-failure -L faults
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
 stage "Python package: fresh virtual environment, pip install ./python (host module), pytest"
+python_venv=build/python-venv
+rm -rf "$python_venv"
+python3 -m venv "$python_venv"
 python_start=$(date +%s)
 # -O1: CI checks behaviour, not speed, and the instantiations build a third faster
 "$python_venv/bin/pip" install -q "./python[plot]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
@@ -108,12 +100,10 @@ python_start=$(date +%s)
 echo "installed in $(( $(date +%s) - python_start )) s"
 # torch (PyPI's build; on a machine without a GPU it runs on the CPU): the vLLM and SGLang tests run
 # the engines' own released code, which needs it, beside ours (differential tests; they skip, saying
-# why, where that code is not beside the checkout). Its wheels downloaded beside the builds (top of
-# this script); unpacking them (5 GB with its CUDA libraries) beside the builds would slow them by
-# more than it saves, so that happens here.
-wait "$wheels_pid" || echo "torch's wheels did not all download beforehand (build/wheels.log): fetched now"
+# why, where that code is not beside the checkout). About 2 minutes, as much unpacking (5 GB with
+# its CUDA libraries) as download: beside the builds it slows them by more than it saves.
 torch_start=$(date +%s)
-"$python_venv/bin/pip" install -q --find-links build/wheels torch
+"$python_venv/bin/pip" install -q torch
 echo "torch installed in $(( $(date +%s) - torch_start )) s"
 "$python_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 
