@@ -162,7 +162,11 @@ class row_filer : public row_claimer<Index, Store, Site> {
       throw error{detail::device_problem_code(status),
                   detail::describe_device_problem(status, step, requests, layers_, num_experts_, top_k_)};
     }
-    if constexpr (claimer::claims_when_planned) { commit_accepted_drafts(step, requests, on_commit); }
+    if constexpr (claimer::claims_when_planned) {
+      // a walk over the step's runs only where a draft group of this step or an earlier one was
+      // accepted before its step was filed (none in a step without speculative decoding)
+      if (step.serial <= accepted_before_filed_) { commit_accepted_drafts(step, requests, on_commit); }
+    }
     if constexpr (Site == scatter_site::host) {
       const auto row_bytes = static_cast<std::size_t>(row_elems_) * sizeof(Index);
       auto place           = [&](detail::row_claim<Index> c, std::int64_t row, std::int64_t rows) {
@@ -252,7 +256,10 @@ class row_filer : public row_claimer<Index, Store, Site> {
     // Rows claimed when filed: steps that have ended by now file as if when they ended, before this
     // acceptance, so they may still take the group's rows over (claim_run, take_over_draft).
     if constexpr (!claimer::claims_when_planned) { group->accepted_through = ended_through; }
-    if (!group->filed) { return {group->step_serial, 0}; }  // resolved when its rows are filed (claim_run)
+    if (!group->filed) {  // resolved when its rows are filed (claim_run)
+      if constexpr (claimer::claims_when_planned) { note_accepted_before_filed(group->step_serial); }
+      return {group->step_serial, 0};
+    }
     for (std::int32_t d = 0; d < group->count; ++d) {
       if (d < group->accepted) { continue; }
       const std::int64_t position = group->first_position + d;
@@ -268,7 +275,10 @@ class row_filer : public row_claimer<Index, Store, Site> {
     // or in flight. What it accepted commits when that step is filed (file()); a discarded step
     // commits nothing, as none of its other rows (CORE-BUG-19).
     if constexpr (claimer::claims_when_planned) {
-      if (group->step_serial > retired_through_) { return {group->step_serial, 0}; }
+      if (group->step_serial > retired_through_) {
+        note_accepted_before_filed(group->step_serial);
+        return {group->step_serial, 0};
+      }
     }
     const accepted_drafts done{group->step_serial, group->accepted > 0 ? group->first_position + group->accepted : 0};
     r.recorded_rows   = std::max(r.recorded_rows, done.committed_through);
@@ -372,8 +382,16 @@ class row_filer : public row_claimer<Index, Store, Site> {
     return true;
   }
 
+  void note_accepted_before_filed(std::uint64_t step_serial) noexcept
+  {
+    accepted_before_filed_ = std::max(accepted_before_filed_, step_serial);
+  }
+
   layer_map layers_;
   std::uint64_t retired_through_ = 0;  // the latest step that left the copy pipeline (filed or discarded)
+  // Claims when planned: the latest step a draft group of which was accepted before the step was
+  // filed. Every step with such a group has a serial at or below it, so file() walks no other.
+  std::uint64_t accepted_before_filed_ = 0;
   std::int64_t num_experts_;
   std::int32_t top_k_;
   std::int64_t max_model_len_;
