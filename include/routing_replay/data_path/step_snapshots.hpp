@@ -208,7 +208,7 @@ class step_snapshots {
   {
     slot_record& record = slot_state_[static_cast<std::size_t>(slot)];
     if (!landed(slot)) {
-      if (record.direct && !kernels_write_host) {
+      if (waits_on_word(slot)) {
         wait_landed(slot);
       } else {
         Backend::synchronize(done_event(slot));
@@ -228,7 +228,7 @@ class step_snapshots {
   [[nodiscard]] bool ready(std::int32_t slot) const
   {
     if (landed(slot)) { return true; }
-    return !(slot_state_[static_cast<std::size_t>(slot)].direct && !kernels_write_host) && Backend::ready(done_event(slot));
+    return !waits_on_word(slot) && Backend::ready(done_event(slot));
   }
   /// @brief What the slot's step reported (after wait()).
   [[nodiscard]] const detail::step_status& status(std::int32_t slot) const noexcept
@@ -257,6 +257,13 @@ class step_snapshots {
     auto& word = const_cast<std::uint32_t&>(Backend::data(landed_)[slot]);  // written by the device
     return cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{word}.load(cuda::std::memory_order_acquire) ==
            record.sequence;
+  }
+
+  // Whether the slot's last harvest was a direct one on a device: recorded by no event (harvest()),
+  // so only the kernel's word says it is done.
+  [[nodiscard]] bool waits_on_word(std::int32_t slot) const noexcept
+  {
+    return slot_state_[static_cast<std::size_t>(slot)].direct && !kernels_write_host;
   }
 
   // A direct harvest on a device, recorded by no event: polls its word. A kernel that faulted
@@ -288,9 +295,7 @@ class step_snapshots {
     // the harvest is done: its event says so to this stream, or (a direct harvest, recorded by no
     // event on a device) the kernel's release of its word, which the host acquired, made every
     // store of the kernel visible at system scope, this stream's copy included
-    if (!slot_state_[static_cast<std::size_t>(slot)].direct || kernels_write_host) {
-      Backend::wait(s, harvested_[static_cast<std::size_t>(slot)]);
-    }
+    if (!waits_on_word(slot)) { Backend::wait(s, harvested_[static_cast<std::size_t>(slot)]); }
     Backend::copy_async(Backend::data(host_statuses_) + slot, status_device(slot), sizeof(detail::step_status), s);
     Backend::fill_2d_async(status_device(slot), sizeof(detail::step_status), 0, sizeof(detail::step_status), 1, s);
     Backend::synchronize(s);
