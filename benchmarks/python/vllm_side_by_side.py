@@ -20,6 +20,9 @@ it).
 Scenarios:
   decode_B1/B64/B256/B1024  B requests decoding one token per step, prompts prefilled first (untimed),
                             rows emitted from the end of the prompt
+  decode_silent_B64/B1024   the same steps with nothing emitted (every emit start past the end): the
+                            path without the per-request output objects (not in the default set);
+                            the slope's difference from decode's is what those objects cost
   prefill_8k                4 new requests of 2048 tokens each step (all their rows emitted), each
                             finished in the next step's metadata
   multi_turn                64 conversations x 20 turns: each turn a new request whose prompt is the
@@ -132,8 +135,9 @@ class Step:
         self.scheduled, self.finished, self.timed = scheduled, list(finished), timed
 
 
-def decode_steps(batch: int, prompt: int, steps: int):
-    reqs = [Request(f"d{r}", r, prompt, prompt) for r in range(batch)]
+def decode_steps(batch: int, prompt: int, steps: int, emit: bool = True):
+    never = 1 << 40  # an emit start no request reaches: nothing is emitted
+    reqs = [Request(f"d{r}", r, prompt, prompt if emit else never) for r in range(batch)]
     per_step = max(1, NMAX // prompt)
     for g in range(0, batch, per_step):
         yield Step([(r, prompt) for r in reqs[g:g + per_step]], timed=False)
@@ -404,9 +408,10 @@ def p90(xs):
 
 def scenario_steps(name: str, cuda: bool):
     prompt = ARGS.prompt or (1024 if cuda else 32)
-    if name.startswith("decode_B"):
-        batch = int(name[len("decode_B"):])
-        return decode_steps(batch, prompt, ARGS.steps), batch, batch * (prompt + ARGS.steps + 8) // BLOCK + 64
+    if name.startswith(("decode_B", "decode_silent_B")):
+        batch = int(name.rpartition("_B")[2])
+        return (decode_steps(batch, prompt, ARGS.steps, emit=not name.startswith("decode_silent")), batch,
+                batch * (prompt + ARGS.steps + 8) // BLOCK + 64)
     if name == "prefill_8k":
         steps = ARGS.prefill_steps
         return prefill_steps(steps), 8, (steps + 2) * NMAX // BLOCK + 64
@@ -480,11 +485,12 @@ def main() -> None:
             results[(impl.name, name)] = result
             print(json.dumps(result), flush=True)
     for impl in impls:
-        a, b = results.get((impl.name, "decode_B64")), results.get((impl.name, "decode_B1024"))
-        if a and b:
-            slope = (b["host_us_median"] - a["host_us_median"]) / (1024 - 64)
-            print(json.dumps({"impl": impl.name, "backend": backend, "slope_us_per_request_B64_B1024": round(slope, 4)}),
-                  flush=True)
+        for kind in ("decode", "decode_silent"):
+            a, b = results.get((impl.name, f"{kind}_B64")), results.get((impl.name, f"{kind}_B1024"))
+            if a and b:
+                slope = (b["host_us_median"] - a["host_us_median"]) / (1024 - 64)
+                key = "slope_us_per_request_B64_B1024" + ("_silent" if kind == "decode_silent" else "")
+                print(json.dumps({"impl": impl.name, "backend": backend, key: round(slope, 4)}), flush=True)
     for name in ARGS.scenarios.split(","):
         a, b = results.get(("vllm", name)), results.get(("routing_replay", name))
         if a and b and a["host_us_median"] and b["host_us_median"]:
