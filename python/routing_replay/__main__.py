@@ -12,21 +12,23 @@ import routing_replay as rr
 from routing_replay import _build
 
 
-def _cuda_line() -> str:
-    """Where the CUDA module is and whether a device is usable, or why there is none."""
+def _cuda_lines() -> list[str]:
+    """Where the CUDA module is and whether a device is usable, or why there is no module."""
     if "cuda" not in _build.BACKENDS:
-        return f"CUDA module: {_build.CUDA_NOTE}; device='cpu' runs on the host backend"
+        return [f"CUDA module: {_build.CUDA_NOTE}; device='cpu' runs on the host backend"]
     try:
         cuda = rr._cuda()
     except RuntimeError as e:
-        return f"CUDA module: {e}"
-    usable = "a CUDA device is usable" if rr.cuda_available() else \
-        "no CUDA device is usable here (no GPU or no driver): device='cpu' runs on the host backend"
-    return f"CUDA module: {cuda.__file__} ({_build.CUDA_NOTE}); {usable}"
+        return [f"CUDA module: {e}; device='cpu' runs on the host backend"]
+    lines = [f"CUDA module: {cuda.__file__} ({_build.CUDA_NOTE})"]
+    if not rr.cuda_available():
+        lines.append("no CUDA device is usable here (no GPU, or no driver): device='cpu' runs on the host backend")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prints the version, the backends, the CUDA module and the number of compiled combinations;
+    """Prints the version, the backends, the CUDA module (and whether a device is usable) and the
+    number of compiled combinations;
     with ``--list``, the combinations; with ``--flags``, the compiler flags."""
     parser = argparse.ArgumentParser(prog="python -m routing_replay", description=__doc__)
     parser.add_argument("--list", action="store_true", help="list every compiled policy combination of each backend")
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     backends = rr.backends()
     print(f"routing_replay {rr.__version__} ({_build.BUILD_TYPE} build) in {os.path.dirname(rr.__file__)}")
     print(f"backends: {', '.join(backends)} (built: {', '.join(_build.BACKENDS)})")
-    print(_cuda_line())
+    for line in _cuda_lines():
+        print(line)
     combinations = {backend: rr.policies(backend) for backend in backends}
     counts = ", ".join(f"{backend} {len(found)}" for backend, found in combinations.items())
     print(f"policy combinations compiled: {counts} (index types {', '.join(_build.INDEX_TYPES)}, each with every "
@@ -60,4 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except BrokenPipeError:  # `python -m routing_replay --list | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise SystemExit(1) from None
