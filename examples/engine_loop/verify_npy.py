@@ -43,9 +43,9 @@ def main() -> int:
         if not dtype_ok:
             other_dtypes.add(rows.dtype.name)
         bad += 0 if ids_ok and dtype_ok else 1
-        verdict = ("ok" if ids_ok else "MISMATCH") if dtype_ok else \
-            f"dtype {rows.dtype.name}, expected {dtype.name}; ids {'ok' if ids_ok else 'MISMATCH'}"
-        print(f"{os.path.basename(path)}: shape {rows.shape} {rows.dtype} {verdict}")
+        verdict = (" ok" if ids_ok else " MISMATCH") if dtype_ok else \
+            f", expected {dtype.name}; ids {'ok' if ids_ok else 'MISMATCH'}"
+        print(f"{os.path.basename(path)}: shape {rows.shape} {rows.dtype}{verdict}")
     print(f"verify_npy: {len(files) - bad}/{len(files)} files match the synthetic router as {dtype.name}")
     if other_dtypes:
         found = ", ".join(sorted(other_dtypes))

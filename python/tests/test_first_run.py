@@ -105,5 +105,5 @@ def test_demo_check_names_a_dtype_mismatch(tmp_path):
     assert ok.returncode == 0 and "2/2 files match the synthetic router as int16" in ok.stdout, ok.stdout
     wrong = run_verify(str(tmp_path), "uint8")
     assert wrong.returncode == 1
-    assert "dtype int16, expected uint8; ids ok" in wrong.stdout, wrong.stdout
+    assert "(5, 48, 8) int16, expected uint8; ids ok" in wrong.stdout, wrong.stdout
     assert f"pass int16 (verify_npy.py {tmp_path} int16), or rerun the demo with --index uint8" in wrong.stdout
