@@ -30,6 +30,8 @@ apt_install() {
 pip_install() {
   python3 -c "import $1" >/dev/null 2>&1 && return 0
   echo "installing Python package: $2"
+  # Debian's python3 comes without pip
+  python3 -m pip --version >/dev/null 2>&1 || apt_install python3-pip
   python3 -m pip install -q "$2" 2>/dev/null || python3 -m pip install -q --break-system-packages "$2"
 }
 

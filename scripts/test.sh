@@ -23,7 +23,8 @@
 #   policy combination on the host backend;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct), a short run of the block-slot floor benchmark
-#   and the demo on a small run.
+#   and the demo on a small run with the README's numpy check of its files, and the host example
+#   (examples/host_quickstart).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -40,7 +41,7 @@ stage "build: GPU tests, demo, benchmarks (.cu host code -O0, C++ -O1)"
 # nothing to run here) builds on the GPU machines only.
 cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1" -DCMAKE_CUDA_FLAGS="-O0" \
   -DROUTING_REPLAY_TEST_COMBINATIONS=representative >/dev/null
-ci_targets=(gpu_tests slot_rows_gpu_tests engine_loop engine_loop_bench host_path_bench block_slot_floor_bench step_floor_bench soak header_checks)
+ci_targets=(gpu_tests slot_rows_gpu_tests engine_loop host_quickstart engine_loop_bench host_path_bench block_slot_floor_bench step_floor_bench soak header_checks)
 # the 2-GPU test of the parallel engines exists where NCCL was found (CI machines have it)
 if cmake --build build/ci --target help | grep -q '^multi_gpu_tests:'; then ci_targets+=(multi_gpu_tests); fi
 cmake --build build/ci -j "$(build_jobs)" --target "${ci_targets[@]}"
@@ -122,6 +123,9 @@ cat build/fuzz.log
 
 build/ci/benchmarks/engine_loop --backend host --mode eager --scenarios decode_B64,prefill_8k --decode-steps 8 --copy all --storage all | python3 -c 'import json, sys; r = [json.loads(l) for l in sys.stdin]; ok = bool(r) and all(x["correct"] for x in r); print("== engine loop benchmark (host backend):", len(r), "runs,", "all correct" if ok else "NOT ALL CORRECT"); sys.exit(0 if ok else 1)'
 build/ci/benchmarks/block_slot_floors --decode-steps 8 --prefill-steps 8 | python3 -c 'import json, sys; r = [json.loads(l) for l in sys.stdin]; ok = len(r) == 2 and all(x["begin_us"] > 0 and x["floor_us"] > 0 for x in r); print("== block-slot floor benchmark (host backend):", len(r), "scenarios,", "ok" if ok else "NOT OK"); sys.exit(0 if ok else 1)'
-stage "demo (small run, default backend)"
+stage "demo (small run, default backend), its numpy check, and the host example"
+rm -rf build/ci/demo_out
 build/ci/examples/engine_loop --out build/ci/demo_out --requests 3 --max-tokens 256 | tail -n 2
+python3 examples/engine_loop/verify_npy.py build/ci/demo_out | tail -n 1
+build/ci/examples/host_quickstart | tail -n 1
 echo "== all passed in $SECONDS s"

@@ -34,6 +34,10 @@ struct extract_options {
 ///
 /// With per-request storage this is a view into the storage (no copy), valid until the request is
 /// released or aborted or scheduled again; otherwise it owns a gathered copy. Move-only.
+///
+/// An element is `rows()(t, l, k)` (or `rows()[cuda::std::array<std::int64_t, 3>{t, l, k}]`), `l`
+/// counting captured layers: libcu++'s mdspan offers operator() in place of C++23's
+/// multidimensional operator[], and in C++20 `rows()[t, l, k]` is the comma operator's `rows()[k]`.
 template <expert_index Index>
 class routed_experts {
  public:

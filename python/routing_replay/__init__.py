@@ -28,7 +28,7 @@ from ._build import BACKENDS as _BUILT_BACKENDS
 from ._build import CUDA_NOTE as _CUDA_NOTE
 from ._core import Config, Error, HostEvent, HostStream, StepPlan
 from ._native import (COPY_STRATEGIES, INDEX_TYPES, LAYOUTS, STORAGES, _cuda, _cuda_device, _parse_device,
-                      _policy_error, backends, cuda_available, policies)
+                      _policy_error, _usable_cuda, backends, cuda_available, policies)
 from ._replay import Replay, _live, _never_compiling, _replay_ids, _torch_capture_op
 from ._wire import from_base64_npy, sentinel, to_base64_npy, to_npy, write_npy
 

@@ -116,3 +116,27 @@ class _cuda_device(contextlib.AbstractContextManager):
 def _policy_error(e: Error) -> Exception:
     """A missing instantiation is a ValueError for Python callers; other errors pass through."""
     return ValueError(str(e)) if getattr(e, "code", None) == "invalid_argument" and "no compiled" in str(e) else e
+
+
+def _usable_cuda(device):
+    """The CUDA module for a replay asked to run on ``device`` (a CUDA device), or a clear error.
+
+    Without the module, or without a usable device (no GPU, no NVIDIA driver, or a driver older than
+    the CUDA runtime the module was built for), the CUDA runtime's own error (e.g.
+    ``cudaErrorInsufficientDriver``) would say nothing of the way out: this one names it, the host
+    backend (``device="cpu"``). Raises RuntimeError without the module, :class:`Error` (code
+    ``backend_error``) without a device.
+    """
+    try:
+        cuda = _cuda()
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; device='cpu' runs on the host backend "
+                           "(routing_replay.cuda_available() says whether CUDA can be used)") from None
+    if not cuda.available():
+        error = Error(f"routing_replay: device={device!r} asked for, but no CUDA device is usable here (no GPU, "
+                      "or no NVIDIA driver, or one older than the CUDA runtime this module was built for); "
+                      "device='cpu' runs on the host backend (routing_replay.cuda_available() says whether "
+                      "CUDA can be used)")
+        error.code = "backend_error"
+        raise error
+    return cuda

@@ -23,8 +23,8 @@ import numpy as np
 
 from . import _arrays, _core
 from ._core import Config, Error, HostStream, StepPlan
-from ._native import (COPY_STRATEGIES, INDEX_TYPES, LAYOUTS, STORAGES, _cuda, _cuda_device, _parse_device,
-                      _policy_error)
+from ._native import (COPY_STRATEGIES, INDEX_TYPES, LAYOUTS, STORAGES, _cuda_device, _parse_device,
+                      _policy_error, _usable_cuda)
 from ._wire import sentinel
 
 _replay_ids = itertools.count(1)
@@ -119,7 +119,7 @@ class Replay:
                 raise _policy_error(e) from None
             self._default_stream: HostStream | None = HostStream()
         else:
-            cuda = _cuda()
+            cuda = _usable_cuda(device)
             handle = None if copy_stream is None else _arrays.cuda_stream_handle(copy_stream)
             with _cuda_device(cuda, device_index):
                 try:

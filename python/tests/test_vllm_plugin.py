@@ -294,3 +294,36 @@ def test_outputs_cross_to_the_scheduler_process_by_pickle():
     assert back["r"].token_start == 5
     assert isinstance(back["r"].rows, np.ndarray) and back["r"].rows.dtype == np.uint8
     np.testing.assert_array_equal(back["r"].rows, rows)
+
+
+def test_warns_when_vllm_plugins_leaves_it_out(monkeypatch):
+    """ROUTING_REPLAY_VLLM set but VLLM_PLUGINS (vLLM's allow-list, split on commas, matched exactly)
+    leaving routing_replay out: vLLM never calls the plugin, so the library says it in one line, once,
+    when its vLLM code is imported; nothing where the allow-list names it or is unset."""
+    import routing_replay.vllm.plugin as plugin
+
+    monkeypatch.setenv("ROUTING_REPLAY_VLLM", "1")
+    for allowed in ("someone_else", "", "someone_else, routing_replay"):
+        monkeypatch.setenv("VLLM_PLUGINS", allowed)
+        message = plugin.left_out_warning()
+        assert message is not None and "\n" not in message, allowed
+        assert f"VLLM_PLUGINS={allowed!r}" in message and "vLLM will not load the routing_replay plugin" in message
+    assert "' routing_replay', and vLLM matches names exactly" in message
+    for allowed in ("routing_replay", "someone_else,routing_replay"):
+        monkeypatch.setenv("VLLM_PLUGINS", allowed)
+        assert plugin.left_out_warning() is None, allowed
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert plugin.left_out_warning() is None
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
+    monkeypatch.setenv("ROUTING_REPLAY_VLLM", "0")
+    assert plugin.left_out_warning() is None
+
+    # in a fresh interpreter, as a process would meet it: one line on stderr at the import, not two
+    environment = {k: v for k, v in os.environ.items() if k not in ("ROUTING_REPLAY_VLLM", "VLLM_PLUGINS")}
+    environment.update(ROUTING_REPLAY_VLLM="1", VLLM_PLUGINS="someone_else")
+    done = subprocess.run([sys.executable, "-c", "import routing_replay.vllm, routing_replay.vllm.plugin as p; "
+                           "assert p.warn_if_left_out()"], env=environment, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "VLLM_PLUGINS" in line]
+    assert len(lines) == 1 and "leaves routing_replay out" in lines[0], done.stderr

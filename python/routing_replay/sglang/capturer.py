@@ -39,7 +39,7 @@ except ImportError:  # the stdlib module has the same b64 functions
     import base64 as _b64
 
 from .. import _arrays, _core, _live, _replay_ids, _torch_capture_op
-from .. import _cuda, _cuda_device, _parse_device
+from .. import _cuda_device, _parse_device, _usable_cuda
 from . import _context
 
 logger = logging.getLogger("routing_replay.sglang")
@@ -200,7 +200,7 @@ class RoutedExpertsCapturer:
             read_stream, key = (lambda _: handle), None
             self._device_index = -1
         else:
-            cuda = _cuda()
+            cuda = _usable_cuda(device)
             with _cuda_device(cuda, device_index):
                 self._native = cuda.create_slot_rows(index, config)
             self._stream = None

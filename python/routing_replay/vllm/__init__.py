@@ -24,6 +24,10 @@ from .._core import AuxRequestOutput, BlockObjectStoreError, PendingAuxOutput
 from ._types import AuxOutputConnectorMetadata, InputBatch, PackedBlockHashes
 from .capturer import RoutedExpertsCapturer
 from .connector import AuxOutputWorkerConnector, get_aux_output_connector, make_worker_connector
+from .plugin import warn_if_left_out as _warn_if_left_out
+
+# ROUTING_REPLAY_VLLM set but left out of VLLM_PLUGINS: vLLM never calls the plugin, so say it here
+_warn_if_left_out()
 
 __all__ = [
     "AuxOutputConnectorMetadata",

@@ -15,14 +15,13 @@ the tensor-parallel group), and micro-batches (dual-batch overlap) land at their
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 from typing import Any
 
 import numpy as np
 
 from .. import _arrays, _core, _live, _replay_ids, _torch_capture_op
-from .._native import _parse_device
+from .._native import _parse_device, _usable_cuda
 
 
 def routed_experts_shape(vllm_config) -> tuple[int, int, int]:
@@ -98,7 +97,7 @@ class RoutedExpertsCapturer:
         if backend == "host":
             self._device = _core.create_stream_device(num_layers, top_k, num_experts, max_num_batched_tokens, depth)
         else:
-            cuda = importlib.import_module("routing_replay._core_cuda")
+            cuda = _usable_cuda(device)
             with _on_cuda_device(cuda, index):
                 self._device = cuda.create_stream_device(num_layers, top_k, num_experts, max_num_batched_tokens, depth)
         self._on_host = self._device.on_host

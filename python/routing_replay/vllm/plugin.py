@@ -6,6 +6,10 @@ vLLM calls every entry point of the group ``vllm.general_plugins`` (this package
 ``routing_replay = routing_replay.vllm.plugin:register``) in each of its processes, once
 (``vllm.plugins.load_general_plugins``; ``VLLM_PLUGINS``, where set, must name ``routing_replay``).
 ``register`` does nothing unless the variable is set: installing the package changes nothing.
+Where ``VLLM_PLUGINS`` leaves ``routing_replay`` out, vLLM never calls ``register``, so the
+variable alone changes nothing either: :func:`left_out_warning` says so, and the library logs it
+(:func:`warn_if_left_out`) wherever its own vLLM code is imported (``routing_replay.vllm``) and in
+``python -m routing_replay``.
 
 What it replaces, in ``vllm.distributed.aux_output_connector.worker``: ``AuxOutputWorkerConnector``
 and ``get_aux_output_connector``, the factory vLLM's model runner calls with
@@ -27,6 +31,10 @@ from pathlib import Path
 
 #: The environment variable that turns the plugin on ("1", "true", "yes" or "on").
 ENV = "ROUTING_REPLAY_VLLM"
+#: vLLM's allow-list of plugins: comma-separated entry point names, matched exactly; unset: all.
+ALLOW_LIST = "VLLM_PLUGINS"
+#: The name of this plugin's entry point (group ``vllm.general_plugins``).
+NAME = "routing_replay"
 #: The module whose names are replaced.
 TARGET = "vllm.distributed.aux_output_connector.worker"
 #: The names replaced there, each by the one of the same name in ``routing_replay.vllm``.
@@ -39,6 +47,37 @@ logger = logging.getLogger("vllm.plugins.routing_replay")
 def enabled() -> bool:
     """Whether ``ROUTING_REPLAY_VLLM`` asks for the library's connector."""
     return os.environ.get(ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def left_out_warning() -> str | None:
+    """The one-line warning for ``ROUTING_REPLAY_VLLM`` set while ``VLLM_PLUGINS`` leaves this plugin
+    out (vLLM then never loads it and runs its own connector); None where there is nothing to say."""
+    allowed = os.environ.get(ALLOW_LIST)
+    if not enabled() or allowed is None:
+        return None
+    names = allowed.split(",")  # as vLLM splits it: no stripping
+    if NAME in names:
+        return None
+    spaced = [name for name in names if name.strip() == NAME]
+    why = (f"names {spaced[0]!r}, and vLLM matches names exactly" if spaced else "leaves routing_replay out")
+    return (f"routing_replay: {ENV}={os.environ[ENV]} is set, but {ALLOW_LIST}={allowed!r} {why}: vLLM will not "
+            f"load the routing_replay plugin and runs its own connector; add routing_replay to {ALLOW_LIST} "
+            f"(comma-separated, no spaces) or unset {ALLOW_LIST}")
+
+
+_warned: set[str] = set()
+
+
+def warn_if_left_out() -> bool:
+    """Logs :func:`left_out_warning` (logger ``vllm.plugins.routing_replay``, WARNING), once per process
+    and message; returns whether there was one."""
+    message = left_out_warning()
+    if message is None:
+        return False
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
+    return True
 
 
 def register() -> None:
