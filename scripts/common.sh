@@ -36,3 +36,25 @@ pip_install() {
 }
 
 build_jobs() { nproc 2>/dev/null || echo 2; }
+
+# host_package_wheel: builds the package with the host module only (no CUDA module, whatever nvcc
+# is there) into build/python-host-wheel and prints the wheel's path. One build serves every
+# virtual environment of one Python (install it with `pip install --no-deps WHEEL`): the build
+# tools live in a venv of their own (build/python-build-venv) and the CMake tree stays in
+# build/python-host, so a second call only rebuilds what changed (ccache where it is installed).
+host_package_wheel() {
+  local tools="$PWD/build/python-build-venv" out="$PWD/build/python-host-wheel"
+  if [ ! -x "$tools/bin/python" ]; then
+    python3 -m venv "$tools" >&2
+    "$tools/bin/pip" install -q scikit-build-core nanobind numpy >&2
+  fi
+  local launcher=()
+  if command -v ccache >/dev/null 2>&1; then
+    launcher=(-C cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  fi
+  rm -rf "$out"
+  "$tools/bin/pip" wheel -q --no-build-isolation --no-deps -w "$out" ./python \
+    -C build-dir="$PWD/build/python-host" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
+    -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" "${launcher[@]}" >&2
+  ls "$out"/routing_replay-*.whl
+}

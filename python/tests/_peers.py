@@ -5,6 +5,11 @@ capturer) are never part of this repository. They are looked for, in order, in t
 ``ROUTING_REPLAY_PEERS``, in ``.peers/`` at the top of the checkout (where the device machines get
 a copy) and in ``../shared/peers`` beside the checkout. Tests that compare against a peer skip,
 saying which folders were searched, where it is absent.
+
+vLLM's connector is taken from the installed vLLM where one is importable (``_vllm_installed``: a
+thin layer over vLLM 0.33's own classes), from the stubbed file otherwise;
+``ROUTING_REPLAY_VLLM_PEER=installed`` or ``stubbed`` chooses (``installed`` without an importable
+vLLM stops the run). ``used_peers()`` says, for the run's summary, which peers served.
 """
 
 from __future__ import annotations
@@ -58,4 +63,60 @@ def load_peer(file_name: str, *, needs: tuple[str, ...] = ()) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    _USED[file_name] = f"stubbed ({path})"
     return module
+
+
+#: What served each peer in this run ({peer file name: description}), for the summary.
+_USED: dict[str, str] = {}
+#: ROUTING_REPLAY_VLLM_PEER: which vLLM serves as the peer.
+VLLM_PEER_ENV = "ROUTING_REPLAY_VLLM_PEER"
+
+
+def used_peers() -> dict[str, str]:
+    """{peer file name: what served it ("installed vLLM 0.33.0 (path)" or "stubbed (path)")}."""
+    return dict(_USED)
+
+
+def vllm_peer_choice() -> tuple[str, str]:
+    """("installed" or "stubbed", why): the explicit ROUTING_REPLAY_VLLM_PEER, else installed where
+    ``import vllm`` works."""
+    wanted = os.environ.get(VLLM_PEER_ENV, "").strip().lower()
+    if wanted not in ("", "installed", "stubbed"):
+        raise pytest.UsageError(f"{VLLM_PEER_ENV}={wanted!r}: want 'installed' or 'stubbed'")
+    if wanted == "stubbed":
+        return "stubbed", f"{VLLM_PEER_ENV}=stubbed"
+    problem = _vllm_import_problem()
+    if problem is None:
+        return "installed", f"{VLLM_PEER_ENV}=installed" if wanted else "vllm is importable"
+    if wanted == "installed":
+        pytest.exit(f"{VLLM_PEER_ENV}=installed, but vLLM cannot serve as the peer: {problem}", returncode=3)
+    return "stubbed", f"no installed vLLM ({problem})"
+
+
+_VLLM_PROBLEM: list[str | None] = []
+
+
+def _vllm_import_problem() -> str | None:
+    if not _VLLM_PROBLEM:
+        if importlib.util.find_spec("vllm") is None:
+            _VLLM_PROBLEM.append("vllm is not installed")
+        else:
+            try:
+                import vllm.distributed.aux_output_connector.worker  # noqa: F401  (0.33's connector)
+                _VLLM_PROBLEM.append(None)
+            except Exception as error:  # an import error, or vLLM's own startup failing
+                _VLLM_PROBLEM.append(f"import failed: {type(error).__name__}: {error}")
+    return _VLLM_PROBLEM[0]
+
+
+def load_vllm_peer() -> ModuleType:
+    """vLLM 0.33's routed-experts data plane: over the installed vLLM's own classes, or the stubbed
+    file (skips the caller, saying why, where neither can serve)."""
+    kind, _ = vllm_peer_choice()
+    if kind == "stubbed":
+        return load_peer(VLLM_0_33, needs=("torch",))
+    import _vllm_installed
+
+    _USED[VLLM_0_33] = f"installed vLLM {_vllm_installed.VERSION} ({_vllm_installed.LOCATION})"
+    return _vllm_installed

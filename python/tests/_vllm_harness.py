@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from _peers import VLLM_0_33, load_peer
+from _peers import load_vllm_peer
 import _vllm_reference
 from _vllm_reference import ReferenceConnector
 from _vllm_scheduler import Meta
@@ -106,7 +106,7 @@ class Peer(Impl):
     name = "vllm"
 
     def __init__(self) -> None:
-        self.module = load_peer(VLLM_0_33, needs=("torch",))
+        self.module = load_vllm_peer()
         import torch
 
         self.torch = torch
@@ -162,7 +162,7 @@ class Library(Impl):
         self.backend = backend
         self.metadata_from = metadata_from
         if metadata_from == "vllm":
-            self.vllm = load_peer(VLLM_0_33, needs=("torch",))
+            self.vllm = load_vllm_peer()
         self.cpu_tensors = cpu_tensors  # the host backend also takes CPU torch tensors
         if backend == "cuda" or cpu_tensors:
             import torch

@@ -87,3 +87,33 @@ def pytest_report_header(config):
 
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+import _peers  # noqa: E402  (from this folder, on the path only now)
+
+
+def pytest_configure(config):
+    _peers.vllm_peer_choice()  # ROUTING_REPLAY_VLLM_PEER=installed without a usable vLLM stops here
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which peers the engine tests ran against, and how many cases skipped for want of one (a
+    skip reason starting with "peer "), so that a run that compared against nothing says so."""
+    skipped = [_skip_reason(r) for r in terminalreporter.stats.get("skipped", []) if r.when != "teardown"]
+    wanting = [reason for reason in skipped if reason.startswith("peer ")]
+    write = terminalreporter.write_line
+    terminalreporter.section("peers")
+    kind, why = _peers.vllm_peer_choice()
+    used = _peers.used_peers()
+    write(f"vLLM peer: {kind} ({why}); served by {used.get(_peers.VLLM_0_33, 'nothing: no case loaded it')}")
+    for name, what in sorted(used.items()):
+        if name != _peers.VLLM_0_33:
+            write(f"{name}: {what}")
+    write(f"{len(wanting)} of {len(skipped)} skipped cases skipped for want of a peer")
+    for reason in sorted(set(wanting)):
+        write(f"  {wanting.count(reason)} x {reason}")

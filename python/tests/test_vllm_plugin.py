@@ -2,7 +2,9 @@
 folder: its modules at vLLM 0.33's paths (vllm.plugins.load_general_plugins reading the
 ``vllm.general_plugins`` entry points; vllm.distributed.aux_output_connector.worker with the
 connector class and the factory that looks it up; a model runner that binds the factory by name at
-import time and one that looks it up at call time), each case in a fresh interpreter.
+import time and one that looks it up at call time) and its own distribution metadata, so that a real
+vLLM installed beside it is neither imported nor asked for its entry points; each case in a fresh
+interpreter.
 
 Checked: off by default (the variable unset, or "0"), and then vLLM's own class is built; on, the
 library's is built through every path, whether the model runner was imported before or after the
@@ -31,6 +33,11 @@ SITE = str(Path(routing_replay.__file__).resolve().parents[1])
 
 FAKE_VLLM = {
     "vllm/__init__.py": '__version__ = "0.33.0"\n',
+    # Its own distribution metadata, first on the path: importlib.metadata keeps the first
+    # distribution of a name it finds, so the entry points a real vLLM installed beside declares
+    # (its LoRA resolvers and others, in modules this tree lacks) are not seen here.
+    "vllm-0.33.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n",
+    "vllm-0.33.0.dist-info/entry_points.txt": "",
     "vllm/plugins/__init__.py": '''
         import os
         from importlib.metadata import entry_points
