@@ -6,10 +6,11 @@ capturer) are never part of this repository. They are looked for, in order, in t
 a copy) and in ``../shared/peers`` beside the checkout. Tests that compare against a peer skip,
 saying which folders were searched, where it is absent.
 
-vLLM's connector is taken from the installed vLLM where one is importable (``_vllm_installed``: a
-thin layer over vLLM 0.33's own classes), from the stubbed file otherwise;
-``ROUTING_REPLAY_VLLM_PEER=installed`` or ``stubbed`` chooses (``installed`` without an importable
-vLLM stops the run). ``used_peers()`` says, for the run's summary, which peers served.
+vLLM's connector and SGLang's capturer are taken from the installed engine where it imports
+(``_vllm_installed``, ``_sglang_installed``: thin layers over the engines' own classes), from the
+stubbed files otherwise; ``ROUTING_REPLAY_VLLM_PEER`` / ``ROUTING_REPLAY_SGLANG_PEER`` =
+``installed`` or ``stubbed`` choose (``installed`` where the engine cannot serve stops the run).
+``used_peers()`` says, for the run's summary, which peers served.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -69,8 +71,24 @@ def load_peer(file_name: str, *, needs: tuple[str, ...] = ()) -> ModuleType:
 
 #: What served each peer in this run ({peer file name: description}), for the summary.
 _USED: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class _Engine:
+    label: str  # as the summary names it
+    env: str  # the variable that chooses installed or stubbed
+    probe: str  # the module whose import says the installed engine can serve
+    layer: str  # this folder's module over the installed engine's own classes
+
+
+_ENGINES = {
+    VLLM_0_33: _Engine("vLLM", "ROUTING_REPLAY_VLLM_PEER", "vllm.distributed.aux_output_connector.worker",
+                       "_vllm_installed"),
+    SGLANG_0_5_23: _Engine("SGLang", "ROUTING_REPLAY_SGLANG_PEER", "sglang.srt.state_capturer.routed_experts",
+                           "_sglang_installed"),
+}
 #: ROUTING_REPLAY_VLLM_PEER: which vLLM serves as the peer.
-VLLM_PEER_ENV = "ROUTING_REPLAY_VLLM_PEER"
+VLLM_PEER_ENV = _ENGINES[VLLM_0_33].env
 
 
 def used_peers() -> dict[str, str]:
@@ -78,45 +96,66 @@ def used_peers() -> dict[str, str]:
     return dict(_USED)
 
 
-def vllm_peer_choice() -> tuple[str, str]:
-    """("installed" or "stubbed", why): the explicit ROUTING_REPLAY_VLLM_PEER, else installed where
-    ``import vllm`` works."""
-    wanted = os.environ.get(VLLM_PEER_ENV, "").strip().lower()
+def engine_peers() -> dict[str, str]:
+    """{peer file name: the engine's name} for the engines with an installed variant."""
+    return {name: engine.label for name, engine in _ENGINES.items()}
+
+
+def peer_choice(file_name: str) -> tuple[str, str]:
+    """("installed" or "stubbed", why) for an engine's peer: the explicit variable (e.g.
+    ROUTING_REPLAY_VLLM_PEER), else installed where the engine's module imports."""
+    engine = _ENGINES[file_name]
+    wanted = os.environ.get(engine.env, "").strip().lower()
     if wanted not in ("", "installed", "stubbed"):
-        raise pytest.UsageError(f"{VLLM_PEER_ENV}={wanted!r}: want 'installed' or 'stubbed'")
+        raise pytest.UsageError(f"{engine.env}={wanted!r}: want 'installed' or 'stubbed'")
     if wanted == "stubbed":
-        return "stubbed", f"{VLLM_PEER_ENV}=stubbed"
-    problem = _vllm_import_problem()
+        return "stubbed", f"{engine.env}=stubbed"
+    problem = _import_problem(engine)
     if problem is None:
-        return "installed", f"{VLLM_PEER_ENV}=installed" if wanted else "vllm is importable"
+        return "installed", f"{engine.env}=installed" if wanted else f"{engine.probe.split('.')[0]} is importable"
     if wanted == "installed":
-        pytest.exit(f"{VLLM_PEER_ENV}=installed, but vLLM cannot serve as the peer: {problem}", returncode=3)
-    return "stubbed", f"no installed vLLM ({problem})"
+        pytest.exit(f"{engine.env}=installed, but {engine.label} cannot serve as the peer: {problem}", returncode=3)
+    return "stubbed", f"no installed {engine.label} ({problem})"
 
 
-_VLLM_PROBLEM: list[str | None] = []
+def vllm_peer_choice() -> tuple[str, str]:
+    """:func:`peer_choice` for vLLM."""
+    return peer_choice(VLLM_0_33)
 
 
-def _vllm_import_problem() -> str | None:
-    if not _VLLM_PROBLEM:
-        if importlib.util.find_spec("vllm") is None:
-            _VLLM_PROBLEM.append("vllm is not installed")
+_PROBLEMS: dict[str, str | None] = {}
+
+
+def _import_problem(engine: _Engine) -> str | None:
+    if engine.probe not in _PROBLEMS:
+        top = engine.probe.split(".")[0]
+        if importlib.util.find_spec(top) is None:
+            _PROBLEMS[engine.probe] = f"{top} is not installed"
         else:
             try:
-                import vllm.distributed.aux_output_connector.worker  # noqa: F401  (0.33's connector)
-                _VLLM_PROBLEM.append(None)
-            except Exception as error:  # an import error, or vLLM's own startup failing
-                _VLLM_PROBLEM.append(f"import failed: {type(error).__name__}: {error}")
-    return _VLLM_PROBLEM[0]
+                importlib.import_module(engine.probe)
+                _PROBLEMS[engine.probe] = None
+            except Exception as error:  # an import error, or the engine's own startup failing
+                _PROBLEMS[engine.probe] = f"import failed: {type(error).__name__}: {error}"
+    return _PROBLEMS[engine.probe]
+
+
+def load_engine_peer(file_name: str) -> ModuleType:
+    """An engine's released code: a thin layer over the installed engine's own classes, or the
+    stubbed file (skips the caller, saying why, where neither can serve)."""
+    kind, _ = peer_choice(file_name)
+    if kind == "stubbed":
+        return load_peer(file_name, needs=("torch",))
+    module = importlib.import_module(_ENGINES[file_name].layer)
+    _USED[file_name] = f"installed {_ENGINES[file_name].label} {module.VERSION} ({module.LOCATION})"
+    return module
 
 
 def load_vllm_peer() -> ModuleType:
-    """vLLM 0.33's routed-experts data plane: over the installed vLLM's own classes, or the stubbed
-    file (skips the caller, saying why, where neither can serve)."""
-    kind, _ = vllm_peer_choice()
-    if kind == "stubbed":
-        return load_peer(VLLM_0_33, needs=("torch",))
-    import _vllm_installed
+    """vLLM 0.33's routed-experts data plane (:func:`load_engine_peer`)."""
+    return load_engine_peer(VLLM_0_33)
 
-    _USED[VLLM_0_33] = f"installed vLLM {_vllm_installed.VERSION} ({_vllm_installed.LOCATION})"
-    return _vllm_installed
+
+def load_sglang_peer() -> ModuleType:
+    """SGLang 0.5.23's routed-experts capturer (:func:`load_engine_peer`)."""
+    return load_engine_peer(SGLANG_0_5_23)

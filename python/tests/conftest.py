@@ -92,7 +92,8 @@ import _peers  # noqa: E402  (from this folder, on the path only now)
 
 
 def pytest_configure(config):
-    _peers.vllm_peer_choice()  # ROUTING_REPLAY_VLLM_PEER=installed without a usable vLLM stops here
+    for name in _peers.engine_peers():  # ROUTING_REPLAY_*_PEER=installed without the engine stops here
+        _peers.peer_choice(name)
 
 
 def _skip_reason(report) -> str:
@@ -108,11 +109,12 @@ def pytest_terminal_summary(terminalreporter):
     wanting = [reason for reason in skipped if reason.startswith("peer ")]
     write = terminalreporter.write_line
     terminalreporter.section("peers")
-    kind, why = _peers.vllm_peer_choice()
     used = _peers.used_peers()
-    write(f"vLLM peer: {kind} ({why}); served by {used.get(_peers.VLLM_0_33, 'nothing: no case loaded it')}")
+    for name, label in _peers.engine_peers().items():
+        kind, why = _peers.peer_choice(name)
+        write(f"{label} peer: {kind} ({why}); served by {used.get(name, 'nothing: no case loaded it')}")
     for name, what in sorted(used.items()):
-        if name != _peers.VLLM_0_33:
+        if name not in _peers.engine_peers():
             write(f"{name}: {what}")
     write(f"{len(wanting)} of {len(skipped)} skipped cases skipped for want of a peer")
     for reason in sorted(set(wanting)):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from _peers import SGLANG_0_5_23, load_peer
+from _peers import load_sglang_peer
 from _sglang_engine import SimEngine
 from conftest import BACKENDS
 
@@ -25,7 +25,7 @@ from routing_replay.sglang import RoutedExpertsCapturer, extract_routed_experts_
 
 
 def peer():
-    return load_peer(SGLANG_0_5_23, needs=("torch",))
+    return load_sglang_peer()
 
 
 def model_config(layers, top_k, experts):

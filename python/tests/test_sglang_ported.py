@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from _peers import SGLANG_0_5_23, load_peer
+from _peers import load_sglang_peer
 from conftest import BACKENDS
 
 import routing_replay as rr
@@ -33,7 +33,7 @@ IMPLS = ["sglang", "ours"]
 def make(impl, backend, *, layers, top_k, num_tokens, experts=128):
     mc = SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=layers, num_experts_per_tok=top_k,
                                                         num_experts=experts))
-    cls = load_peer(SGLANG_0_5_23, needs=("torch",)).RoutedExpertsCapturer if impl == "sglang" else RoutedExpertsCapturer
+    cls = load_sglang_peer().RoutedExpertsCapturer if impl == "sglang" else RoutedExpertsCapturer
     return cls(mc, num_tokens=num_tokens, max_running_requests=8, num_fused_shared_experts=0,
                device="cpu" if backend == "host" else "cuda")
 
@@ -124,7 +124,7 @@ def prefill(cap, dev, version, slots, layers=2, top_k=2):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_reprefill_at_new_slots_after_retraction_reads_the_latest_routes(impl, backend):
     dev = "cpu" if backend == "host" else "cuda"
-    peer = load_peer(SGLANG_0_5_23, needs=("torch",))
+    peer = load_sglang_peer()
     for start in (0, 3, 4, 5, 10):
         cap = make(impl, backend, layers=2, top_k=2, num_tokens=64)
         prefill(cap, dev, 0, list(range(0, 6)))  # 4 prompt + 2 output tokens: positions 0..5
