@@ -101,13 +101,37 @@ def engine_peers() -> dict[str, str]:
     return {name: engine.label for name, engine in _ENGINES.items()}
 
 
-def peer_choice(file_name: str) -> tuple[str, str]:
-    """("installed" or "stubbed", why) for an engine's peer: the explicit variable (e.g.
-    ROUTING_REPLAY_VLLM_PEER), else installed where the engine's module imports."""
+def peer_wanted(file_name: str) -> str:
+    """What the engine's variable (e.g. ROUTING_REPLAY_VLLM_PEER) asks for: "installed",
+    "stubbed", or "" (unset: installed where the engine imports)."""
     engine = _ENGINES[file_name]
     wanted = os.environ.get(engine.env, "").strip().lower()
     if wanted not in ("", "installed", "stubbed"):
         raise pytest.UsageError(f"{engine.env}={wanted!r}: want 'installed' or 'stubbed'")
+    return wanted
+
+
+def peer_choice(file_name: str) -> tuple[str, str]:
+    """("installed" or "stubbed", why) for an engine's peer: the explicit variable (e.g.
+    ROUTING_REPLAY_VLLM_PEER), else installed where the engine's module imports (the first call
+    imports it)."""
+    if file_name not in _CHOSEN:
+        _CHOSEN[file_name] = _choose(file_name)
+    return _CHOSEN[file_name]
+
+
+#: The choices made in this run ({peer file name: (kind, why)}).
+_CHOSEN: dict[str, tuple[str, str]] = {}
+
+
+def peer_chosen(file_name: str) -> bool:
+    """Whether this run has chosen the engine's peer (a case asked for it, or the variable is set)."""
+    return file_name in _CHOSEN
+
+
+def _choose(file_name: str) -> tuple[str, str]:
+    engine = _ENGINES[file_name]
+    wanted = peer_wanted(file_name)
     if wanted == "stubbed":
         return "stubbed", f"{engine.env}=stubbed"
     problem = _import_problem(engine)

@@ -92,8 +92,11 @@ import _peers  # noqa: E402  (from this folder, on the path only now)
 
 
 def pytest_configure(config):
-    for name in _peers.engine_peers():  # ROUTING_REPLAY_*_PEER=installed without the engine stops here
-        _peers.peer_choice(name)
+    # ROUTING_REPLAY_*_PEER=installed where the engine cannot serve stops the run here; otherwise
+    # nothing is imported until a case asks for a peer (importing SGLang takes half a minute)
+    for name in _peers.engine_peers():
+        if _peers.peer_wanted(name) == "installed":
+            _peers.peer_choice(name)
 
 
 def _skip_reason(report) -> str:
@@ -111,8 +114,11 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("peers")
     used = _peers.used_peers()
     for name, label in _peers.engine_peers().items():
-        kind, why = _peers.peer_choice(name)
-        write(f"{label} peer: {kind} ({why}); served by {used.get(name, 'nothing: no case loaded it')}")
+        if _peers.peer_chosen(name):
+            kind, why = _peers.peer_choice(name)
+            write(f"{label} peer: {kind} ({why}); served by {used.get(name, 'nothing: no case loaded it')}")
+        else:
+            write(f"{label} peer: not loaded (no case asked for it)")
     for name, what in sorted(used.items()):
         if name not in _peers.engine_peers():
             write(f"{name}: {what}")
