@@ -19,11 +19,12 @@ What crosses processes in vLLM crosses here the same way: the scheduler output t
 the model runner output back by pickle, the engine-core outputs to the front end through vLLM's
 msgpack encoder and decoder.
 
-Setups: synchronous scheduling with speculative decoding (three drafts, random acceptance), and
-asynchronous scheduling with two steps in flight (so a request that stops has a step in flight);
-both with long prompts split into chunks, requests sharing prompt prefixes with requests that ran
+Setups (each with eight seeds): synchronous scheduling with three drafts per decode step, accepted
+at random; asynchronous scheduling (two steps in flight) without drafts, with two drafts (the
+scheduler runs ahead of the device past rejected drafts still in flight), and with small batches.
+All have long prompts split into chunks, requests sharing prompt prefixes with requests that ran
 before (prefix hits read from the store), a routed-experts prompt start past 0 for some, stop
-tokens and max_tokens.
+tokens and max_tokens, and requests that stop with a step of theirs in flight.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Setup:
 
 SETUPS = [Setup("sync-spec3", False, 3), Setup("async", True, 0), Setup("async-spec2", True, 2),
           Setup("async-small-batches", True, 0, 12, 3)]
-SEEDS = range(3)
+SEEDS = range(8)
 
 
 @pytest.fixture(scope="module")
