@@ -2,8 +2,9 @@
 the same randomized engine traces through both, every get_topk result and every routed_experts
 field equal byte for byte, and ours raising a clear exception wherever the peer fails.
 
-The peer is SGLang's released code, loaded at run time (tests/_peers.py); these tests skip where it
-or torch is absent. Host backend always; CUDA where the conftest allows.
+The peer is SGLang's released code: the installed SGLang's own capturer where it imports, the
+stubbed copy otherwise (tests/_peers.py, ROUTING_REPLAY_SGLANG_PEER); these tests skip where neither
+or torch is there. Host backend always; CUDA where the conftest allows.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ the peer against itself and against a plain numpy reference, every output agains
 device computed. Where torch is absent (no peer) the library is still checked against the reference,
 and so are the traces vLLM cannot run (a first capture mid-block, KV computed elsewhere).
 
-ROUTING_REPLAY_VLLM_TRACES sets the number of traces (240 by default).
+The peer is the installed vLLM's own connector where vLLM imports, the stubbed copy otherwise
+(``_peers``, ROUTING_REPLAY_VLLM_PEER). ROUTING_REPLAY_VLLM_TRACES sets the number of traces (240 by
+default).
 """
 
 from __future__ import annotations
