@@ -45,8 +45,14 @@ build_jobs() { nproc 2>/dev/null || echo 2; }
 host_package_wheel() {
   local tools="$PWD/build/python-build-venv" out="$PWD/build/python-host-wheel"
   if [ ! -x "$tools/bin/python" ]; then
+    # python/pyproject.toml's build requirements (CCCL's headers serve only where no CUDA Toolkit
+    # is installed), and CMake and Ninja where the machine has none or too old a CMake
+    local extra=()
+    cmake --version 2>/dev/null | awk 'NR == 1 { split($3, v, "."); exit !(v[1] > 3 || (v[1] == 3 && v[2] >= 25)) }' \
+      || extra+=("cmake>=3.25")
+    command -v ninja >/dev/null 2>&1 || extra+=(ninja)
     python3 -m venv "$tools" >&2
-    "$tools/bin/pip" install -q scikit-build-core nanobind numpy >&2
+    "$tools/bin/pip" install -q scikit-build-core nanobind numpy nvidia-cuda-cccl "${extra[@]}" >&2
   fi
   local launcher=()
   if command -v ccache >/dev/null 2>&1; then
