@@ -212,12 +212,22 @@ struct host_backend {
     detail::stream_ordered_allocator<std::byte>{}.deallocate(static_cast<std::byte*>(p), bytes);
   }
 
-  /// @brief Nothing a helper thread must adopt.
-  struct host_thread_state {};
-  /// @brief The calling thread's state: nothing.
-  [[nodiscard]] static host_thread_state host_thread_context() noexcept { return {}; }
-  /// @brief Nothing to adopt.
-  static void adopt_host_thread_context(host_thread_state) noexcept {}
+  /// @brief Makes `device` the calling thread's host device (as cudaSetDevice): streams it makes
+  /// from now on belong to it, and memory it frees waits for that device's streams only. Ranks
+  /// that run as threads of one process (thread_communicator) each set their own, as ranks on GPUs
+  /// each have theirs; everything else may leave the default, 0.
+  static void set_device(int device) noexcept { detail::current_host_device() = device; }
+  /// @brief The calling thread's host device (as cudaGetDevice).
+  [[nodiscard]] static int get_device() noexcept { return detail::current_host_device(); }
+
+  /// @brief What a helper thread adopts: the host device of the thread that made it.
+  struct host_thread_state {
+    int device = 0;  ///< the engine thread's host device
+  };
+  /// @brief The calling thread's host device.
+  [[nodiscard]] static host_thread_state host_thread_context() noexcept { return {get_device()}; }
+  /// @brief Makes the calling (helper) thread use `state`'s host device.
+  static void adopt_host_thread_context(host_thread_state state) noexcept { set_device(state.device); }
 
   /// @brief Marks the work enqueued on `stream` so far.
   static void record(event& e, stream_ref stream)

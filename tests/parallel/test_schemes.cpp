@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
+#include <vector>
 
 namespace rr = routing_replay;
 
@@ -40,13 +42,18 @@ void check_ranks(std::initializer_list<std::uint64_t> seeds, std::initializer_li
       harness_shape shape;
       shape.overwrite   = seed == 3;
       std::int64_t rows = 0;
-      rr_test::on_thread_ranks(layout.ranks, [&](int, rr::thread_communicator comm) {
+      std::vector<std::int64_t> steps(static_cast<std::size_t>(layout.ranks), -1);  // -1: the rank failed
+      rr_test::on_thread_ranks(layout.ranks, [&](int r, rr::thread_communicator comm) {
         rr::parallel_replay<Output, rr::thread_communicator> replay{rr_test::make_replay_config(sim, shape),
                                                                    layout.options, comm};
         rr_test::rank_driver driver{replay, sim, shape, seed, map};
         driver.run(replay.is_output_rank() ? &replay.output() : static_cast<Output*>(nullptr));
         if (replay.is_output_rank()) { rows = driver.rows_checked(); }
+        steps[static_cast<std::size_t>(r)] = driver.steps();
       });
+      std::string steps_run;  // each rank's, -1 where it failed: a rank that ran fewer steps diverged
+      for (const std::int64_t n : steps) { steps_run += std::to_string(n) + " "; }
+      CAPTURE(steps_run);
       CHECK(rows > 0);
     }
   }

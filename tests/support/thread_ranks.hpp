@@ -18,9 +18,8 @@
 namespace rr_test {
 
 /// @brief Runs `body(rank, communicator)` on `ranks` threads; every rank must end without an
-/// exception. A rank left waiting for a failed one fails after 120 s instead of hanging: long
-/// enough that a rank starved under ThreadSanitizer on a loaded 2-core machine (CI runs the other
-/// sanitizer suite and the fuzzer beside it) is not taken for a mismatched schedule.
+/// exception. A rank left waiting for a failed one fails after 120 s instead of hanging (a limit
+/// far above any wait of a correct schedule under ThreadSanitizer on a loaded 2-core machine).
 inline void on_thread_ranks(int ranks, const std::function<void(int, routing_replay::thread_communicator)>& body)
 {
   routing_replay::thread_group group{ranks, std::chrono::seconds{120}};
@@ -28,6 +27,9 @@ inline void on_thread_ranks(int ranks, const std::function<void(int, routing_rep
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
+      // each rank its own host device, as ranks on GPUs each have theirs: memory one rank frees
+      // then waits for its own streams, never for a peer's stream blocked in a recv from it
+      routing_replay::host_backend::set_device(r);
       try {
         body(r, group.communicator(r));
       } catch (const std::exception& e) {

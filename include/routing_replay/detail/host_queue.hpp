@@ -34,8 +34,19 @@ inline void throw_if_failed(const task_failure& failure)
 
 class host_queue;
 
-/// @brief Every live host_queue: freeing "device" memory waits for all of them
-/// (wait_for_all_queues()), as cudaFree and cudaFreeHost synchronize the device.
+/// @brief The host "device" the calling thread works on (host_backend::set_device(); 0 unless
+/// set): the host analogue of CUDA's current device. Ranks that run as threads of one process each
+/// take their own, so that one rank freeing memory waits for its own queues only, as cudaFree
+/// waits for its own device: waiting for every queue would wait for a peer rank's queue blocked in
+/// a collective that needs this rank.
+inline int& current_host_device() noexcept
+{
+  thread_local int device = 0;
+  return device;
+}
+
+/// @brief Every live host_queue: freeing "device" memory waits for those of the calling thread's
+/// device (wait_for_device_queues()), as cudaFree and cudaFreeHost synchronize the device.
 class queue_registry {
  public:
   /// @brief The process's registry.
@@ -73,7 +84,8 @@ class queue_registry {
 /// CUDA stream. Work really runs asynchronously to the caller, so ordering bugs show up here.
 class host_queue {
  public:
-  host_queue() : worker_([this] { run(); }) { queue_registry::get().add(this); }
+  /// @brief A queue of the calling thread's device (current_host_device()).
+  host_queue() : device_(current_host_device()), worker_([this] { run(); }) { queue_registry::get().add(this); }
 
   host_queue(const host_queue&)            = delete;
   host_queue& operator=(const host_queue&) = delete;
@@ -150,6 +162,9 @@ class host_queue {
     throw_if_failed(std::exchange(failure_, std::nullopt));
   }
 
+  /// @brief The host device the queue belongs to.
+  [[nodiscard]] int device() const noexcept { return device_; }
+
   /// @brief Blocks until every task enqueued so far has run, leaving any failure to be reported
   /// where it is waited for. Returns at once on the queue's own worker (a task cannot wait for
   /// itself).
@@ -172,6 +187,7 @@ class host_queue {
  private:
   void run()
   {
+    current_host_device() = device_;  // the tasks address the queue's device, as a stream's kernels do
     std::unique_lock lock{mutex_};
     for (;;) {
       if (tasks_.empty() && !stopping_) {
@@ -270,18 +286,22 @@ class host_queue {
   bool stopping_ = false;
   bool sleeping_ = false;  // the worker waits on wake_: enqueue() must notify
   std::thread::id holder_;  // the thread whose inline_section holds the queue (none: default id)
+  int device_;              // the host device of the thread that made the queue
   std::thread worker_;  // last: starts after every other member is constructed
 };
 
-/// @brief Waits for every host queue to run what was enqueued on it so far: the host analogue of the
-/// device synchronization that cudaFree performs.
-inline void wait_for_all_queues() noexcept
+/// @brief Waits for every host queue of the calling thread's device to run what was enqueued on it
+/// so far: the host analogue of the device synchronization that cudaFree performs.
+inline void wait_for_device_queues() noexcept
 {
-  queue_registry::get().for_each([](host_queue& q) { q.wait_idle(); });
+  const int device = current_host_device();
+  queue_registry::get().for_each([device](host_queue& q) {
+    if (q.device() == device) { q.wait_idle(); }
+  });
 }
 
 /// @brief The allocator of the host backend's "device" and pinned memory: deallocation first waits
-/// for every host queue, as cudaFree and cudaFreeHost synchronize the device, so memory that queued
+/// for every host queue of the calling thread's device, as cudaFree and cudaFreeHost synchronize the device, so memory that queued
 /// work may still touch (an engine's capture into D, a step's copy) is never freed under it.
 template <class T>
 struct stream_ordered_allocator : std::allocator<T> {
@@ -300,7 +320,7 @@ struct stream_ordered_allocator : std::allocator<T> {
   /// @brief Waits for every host queue, then frees.
   void deallocate(T* p, std::size_t n)
   {
-    wait_for_all_queues();
+    wait_for_device_queues();
     std::allocator<T>::deallocate(p, n);
   }
   /// @brief Every instance frees what any other allocated.

@@ -76,6 +76,7 @@ class thread_group {
     const auto* p = static_cast<const std::byte*>(data);
     std::lock_guard lock{mutex_};
     mail_[{from, to}].emplace_back(p, p + bytes);
+    ++sent_[{from, to}];
     changed_.notify_all();
   }
 
@@ -83,7 +84,10 @@ class thread_group {
   {
     std::unique_lock lock{mutex_};
     auto& box = mail_[{from, to}];
-    wait(lock, [&] { return !box.empty(); }, to, "recv from rank " + std::to_string(from));
+    wait(lock, [&] { return !box.empty(); }, to,
+         "recv of message " + std::to_string(received_[{from, to}] + 1) + " from rank " + std::to_string(from) +
+           " (it has sent " + std::to_string(sent_[{from, to}]) + " to this rank)");
+    ++received_[{from, to}];
     std::vector<std::byte> message = std::move(box.front());
     box.pop_front();
     lock.unlock();
@@ -125,6 +129,7 @@ class thread_group {
   int arrived_ = 0, copied_ = 0;
   std::uint64_t gather_round_ = 0, copy_round_ = 0;
   std::map<std::pair<int, int>, std::deque<std::vector<std::byte>>> mail_;  // (from, to) -> messages
+  std::map<std::pair<int, int>, std::uint64_t> sent_, received_;  // (from, to) -> messages so far, for errors
 };
 
 /// @brief One rank's handle on a thread_group: a `communicator` over host streams. Trivially
