@@ -16,7 +16,7 @@ Rollout actor::
 
     from routing_replay import ray as rr_ray, wire
     records = [wire.encode(routing, 128, layer_map=moe_layers) for routing in routings]
-    refs = rr_ray.publish(records, samples=request_ids)     # one object each; refs are ~340 bytes
+    refs = rr_ray.publish(records, samples=request_ids)     # one object each; refs of a few hundred bytes
 
 Trainer rank (data-parallel 2 x pipeline 2 x context-parallel 2)::
 
@@ -99,7 +99,7 @@ def layer_map_digest(layer_map: Sequence[int]) -> str:
 @dataclasses.dataclass(frozen=True)
 class RouteRef:
     """A published route record: a Ray object reference and the record's header fields a trainer
-    checks its sample against, without the payload (about 340 bytes pickled).
+    checks its sample against, without the payload (under 500 bytes pickled, Ray's owner address included).
 
     The object stays in Ray's object store while any copy of this reference (or of
     :attr:`object_ref`) is alive anywhere in the cluster.
