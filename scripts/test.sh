@@ -95,8 +95,9 @@ python_venv=build/python-venv
 rm -rf "$python_venv"
 python3 -m venv "$python_venv"
 python_start=$(date +%s)
-# -O1: CI checks behaviour, not speed, and the instantiations build a third faster
-"$python_venv/bin/pip" install -q "./python[plot]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
+# -O1: CI checks behaviour, not speed, and the instantiations build a third faster. The ray extra:
+# test_ray.py starts a Ray cluster of this machine's cores and eight trainer-rank actors.
+"$python_venv/bin/pip" install -q "./python[plot,ray]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
   -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
 echo "installed in $(( $(date +%s) - python_start )) s"
 # torch (PyPI's build; on a machine without a GPU it runs on the CPU): the vLLM and SGLang tests run

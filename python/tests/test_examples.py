@@ -1,6 +1,8 @@
 """The Python examples, run as their users run them: examples/python/numpy_moe.py (host backend,
-numpy only: runs everywhere) and examples/python/hf_qwen3_moe.py (transformers; on the GPU, and
-on the CPU with the host backend where torch and transformers are installed)."""
+numpy only: runs everywhere), examples/python/hf_qwen3_moe.py and r3_closed_loop.py (transformers;
+on the GPU, and on the CPU with the host backend where torch and transformers are installed) and
+examples/python/ray_rollout_to_trainer.py (a Ray cluster of this machine, where Ray, torch and
+transformers are installed)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,19 @@ from conftest import requires_cuda
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python")
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch")
 requires_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="torch and transformers are not installed")
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+requires_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install './python[ray]')")
+
+
+def have_wire() -> bool:
+    try:
+        import routing_replay.wire  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+requires_wire = pytest.mark.skipif(not have_wire(), reason="routing_replay.wire is not in this build")
 
 
 def load(name: str):
@@ -62,3 +77,12 @@ def test_r3_closed_loop(tmp_path, capsys, device):
     out = capsys.readouterr().out
     assert out.count("-> PASS") == 2
     assert sorted(os.listdir(tmp_path)) == ["routed_experts.json", "summary.json"]
+
+
+@requires_transformers
+@requires_ray
+@requires_wire
+def test_ray_rollout_to_trainer(capsys):
+    assert load("ray_rollout_to_trainer").main([]) == 0
+    out = capsys.readouterr().out
+    assert out.count("-> PASS") == 2
