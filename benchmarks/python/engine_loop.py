@@ -31,6 +31,9 @@ for its copy stream's worker). Prints one JSON line per (api, mode, scenario):
                               with the peer, ../shared/peers/engine_loop_vs_peer.py, gives the
                               time capture adds to a step; here, step_us less api=none's)
   extract_us                  extraction per finished request (drop-in: finalize + get_routed_experts)
+  minflt_per_step             minor page faults of the engine's thread in the library's calls of a
+                              step (plan, begin_step, end_step; the drop-in's post-forward call),
+                              median over the timed steps (_mean: their mean)
   correct                     every request's [T, L, K] equals the ids its forward produced
 
 Usage:
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -60,6 +64,11 @@ from routing_replay.capturer import RoutedExpertsCapturer
 L, K, E = 48, 8, 128
 NMAX, MML = 8192, 4096
 ARGS = argparse.Namespace()
+
+
+def thread_minflt() -> int:
+    """Minor page faults of this (the engine's) thread so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def med(xs):
@@ -347,20 +356,25 @@ def run(api, mode, name, steps, warm, cuda):
         graphs[n].replay()
         return []
 
-    plan_t, begin_t, end_t, host_t, cap_t, step_t, done, reqs = [], [], [], [], [], [], {}, []
+    plan_t, begin_t, end_t, host_t, cap_t, step_t, done, reqs, faults = [], [], [], [], [], [], {}, [], []
+    finished = []  # (request, its length, its rows, extraction us)
     for si, sched in enumerate(steps):
         n = fwd.set_batch(sched)
         if graph and si >= warm and n not in graphs:
             forward(n, drv.capture)  # recorded outside the timed steps
+        f0 = thread_minflt()
         pu, bu = drv.before(sched, sync)
+        f1 = thread_minflt()
         sync()
         t0 = time.perf_counter()
         times = forward(n, drv.capture) if (graph and si >= warm) else fwd.run(n, drv.capture)
         sync()
+        f2 = thread_minflt()
         if replay_steps:
             eu = drv.after(sched)
         else:
             eu = drv.after(sched, fwd.positions[:n])
+        f3 = thread_minflt()
         t1 = time.perf_counter()
         if si >= warm:
             plan_t.append(pu)
@@ -370,12 +384,21 @@ def run(api, mode, name, steps, warm, cuda):
             cap_t.extend(times)
             step_t.append((t1 - t0) * 1e6)
             reqs.append(len(sched))
+            faults.append(f1 - f0 + f3 - f2)
         for (r, p, t) in sched:
             done[r] = p + t
+        if ARGS.finish == "next" and api in ("replay", "dropin") and si + 1 < len(steps):
+            # requests the next step does not schedule finish now, between steps, as an engine
+            # finishes them: extracted (and released), so that new requests reuse their storage
+            later = {r for (r, _, _) in steps[si + 1]}
+            for r in [r for r in done if r not in later]:
+                sync()
+                length = done.pop(r)
+                finished.append((r, length, *drv.extract(r, length)))
     sync()
     ok, xs = (True if api in ("replay", "dropin") else None), []
-    for r, length in (done.items() if ok else ()):
-        arr, x = drv.extract(r, length)
+    finished += [(r, length, *drv.extract(r, length)) for r, length in (done.items() if ok else ())]
+    for r, length, arr, x in finished:
         xs.append(x)
         ok = ok and arr is not None and arr.shape == (length, L, K) and np.array_equal(arr.astype(np.int64),
                                                                                         expected(r, length))
@@ -385,10 +408,11 @@ def run(api, mode, name, steps, warm, cuda):
                storage=ARGS.storage if replay_steps else ("per_request" if api == "dropin" else None),
                plan=(("handles" if drv.columnar else "per_request") if replay_steps
                      else ("dict" if api == "dropin" else None)),
-               ids=ARGS.ids if api == "dropin" else None,
+               ids=ARGS.ids if api == "dropin" else None, finish=ARGS.finish,
                host_memory_ahead=ARGS.host_memory_ahead, requests=med(reqs), host_us=host, per_request_ns=round(1e3 * host / med(reqs), 1) if host else None,
                capture_us=med([t * 1e6 for t in cap_t]) if cap_t else None, step_us=med(step_t),
-               extract_us=med(xs), correct=ok, steps=len(host_t))
+               extract_us=med(xs), correct=ok, steps=len(host_t),
+               minflt_per_step=med(faults), minflt_per_step_mean=round(statistics.fmean(faults), 1) if faults else None)
     if replay_steps:
         out.update(plan_us=med(plan_t), begin_us=med(begin_t), end_us=med(end_t))
     return out
@@ -412,6 +436,10 @@ def main():
     ap.add_argument("--ids", default="new", choices=("new", "kept"),
                     help="the drop-in's request ids: new str objects every step (the dict built afresh) or the "
                          "same objects every step (as vLLM's input batch keeps them)")
+    ap.add_argument("--finish", default="end", choices=("end", "next"),
+                    help="end: every request extracted after the last step (storage only grows); next: a request "
+                         "the next step does not schedule is extracted and released before it (an engine's finish: "
+                         "prefill_8k's four requests of each step finish in the next one)")
     ap.add_argument("--host-memory-ahead", type=int, default=None,
                     help="per-request storage: bytes mapped ahead by a worker thread (default: one step's rows)")
     ARGS = ap.parse_args()

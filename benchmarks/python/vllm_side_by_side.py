@@ -13,9 +13,16 @@ drives each implementation through the same engine-side calls, eager, as vLLM's 
 The device is drained before the timed calls (CUDA: synchronize; host backend: 1 ms for its worker
 threads), so the figures are the engine's host path per step: begin_step + prepare_output +
 enqueue_cpu_copy + the wait + process_output. Every request's emitted rows are checked against the
-ids its forward produced (on arrival, outside the timed calls; then dropped, as the
-engine drops them once sent: an implementation whose outputs are views of its host memory may reuse
-it).
+ids its forward produced (on arrival, outside the timed calls). Then, by --outputs:
+
+  dropped   each step's outputs let go, as a multi-process engine does once it has sent them (an
+            implementation whose outputs are views of its host memory may reuse it at once)
+  kept      each step's rows appended to the request's chunks and concatenated when the request
+            finishes, as vLLM 0.33's in-process output processor does (the LLM class with
+            VLLM_ENABLE_V1_MULTIPROCESSING=0, as colocated RL frameworks run it): the memory of
+            every output stays with the consumer until then
+
+Both modes run by default, each scenario dropped first, then kept, on both implementations.
 
 Scenarios:
   decode_B1/B64/B256/B1024  B requests decoding one token per step, prompts prefilled first (untimed),
@@ -32,7 +39,7 @@ Scenarios:
   store_probe               requests filing 512 blocks (8192 tokens) each, nothing emitted: the host
                             memory (RSS) the store takes per filed block, once warm
 
-One JSON line per (implementation, scenario, backend): host_us_median/p90; connector_us_median (the
+One JSON line per (implementation, scenario, outputs, backend): host_us_median/p90; connector_us_median (the
 connector's calls alone: begin_step, prepare_output, enqueue_cpu_copy, the wait, process_output,
 without the engine's copy-stream and event work; the targets' definition) (and begin_us, prepare_us:
 prepare_output + enqueue_cpu_copy, process_us: the wait + process_output; calls_us_median: each call
@@ -40,8 +47,11 @@ alone, and the engine's own copy-stream and event work around enqueue_cpu_copy),
 (minor page faults of the engine's thread in the timed calls, median over steady-state steps; _mean:
 their mean; minflt_process_per_step_mean: the whole process's in the same window, background threads
 included, which may also fault outside it), correct, rows_checked; then one
-line per implementation with the per-request slope between decode_B64 and decode_B1024, and one line
-per scenario with the ratios vLLM / routing_replay (host path, connector calls alone). With
+line per implementation and outputs mode with the per-request slope between decode_B64 and
+decode_B1024, and one line per scenario and mode with the ratios vLLM / routing_replay (host path,
+connector calls alone). routing_replay's lines carry kept_pool: its pool of output memory at the end
+of the scenario (connector.kept_pool: bytes held, in use, their high-water mark, the budget, and the
+growth the filling thread made and any the engine's thread had to make). With
 --gpu-time (CUDA), each line also has compute_stream_us_median: the compute stream's time for
 prepare_output's work (vLLM: the snapshot's clone; the library: the end-of-step kernel), timed with
 CUDA events behind a spin kernel; that run's host figures include waiting for the spin kernel.
@@ -49,6 +59,7 @@ CUDA events behind a spin kernel; that run's host figures include waiting for th
 Usage:
   python3 benchmarks/python/vllm_side_by_side.py [--device cuda|cpu] [--peers PATH] [--steps N]
       [--scenarios decode_B1,...] [--impls vllm,routing_replay,routing_replay_copy] [--prompt P]
+      [--outputs dropped,kept]
       [--gpu-time]
 The peer (vLLM 0.33's code with its imports stubbed) is loaded from --peers, else from
 $ROUTING_REPLAY_PEERS, <checkout>/.peers or <checkout>/../shared/peers; it needs torch (CPU torch
@@ -120,6 +131,8 @@ class Request:
         self.rid, self.content, self.prompt, self.emit = rid, content, prompt, emit
         self.computed, self.known, self.sent = computed, prompt, 0
         self.outputs: list = []
+        self.chunks: list = []  # kept outputs' rows until the finish
+        self.kept_rows = 0
 
     def new_hashes(self, upto: int) -> list[bytes]:
         keyed = min(self.known, upto) // BLOCK
@@ -265,7 +278,21 @@ class Forward:
                 capture(layer, (t[:, None] + layer * 131 + self.kk_t[None, :]) % E)
 
 
-def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks: int, peer_device) -> dict:
+def finish_kept(finished) -> None:
+    """Kept outputs: a finished request's chunks concatenated into its final rows and the chunks let
+    go, as vLLM's output processor does at the finish (the final array goes to the user: dropped
+    here), outside the timed calls."""
+    for r in finished:
+        if r.chunks:
+            final = np.concatenate(r.chunks)
+            r.kept_rows += len(final)
+            r.chunks.clear()
+            del final
+
+
+def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks: int, peer_device,
+                 outputs: str = "dropped") -> dict:
+    keep = outputs == "kept"
     rss0 = rss_bytes()
     conn = impl.make(max_num_seqs, num_kv_blocks)
     rss1 = rss_bytes()
@@ -287,6 +314,8 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
             if new:
                 meta["hashes"][r.rid] = new
         metadata = impl.metadata(meta)
+        if keep:
+            finish_kept(step.finished)
         impl.drain(conn)
         f0, p0 = faults_now()
         t0 = time.perf_counter_ns()
@@ -332,11 +361,13 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
         if name == "store_probe" and step.timed:
             time.sleep(0.2)  # writer threads (vLLM's store writes in the background) finish
             rss_filed = rss_bytes() - rss_before
-        for rid, o in out.items():  # checked now and dropped, as the engine consumes and drops them
+        for rid, o in out.items():  # checked now; dropped, or kept until the request finishes
             r = everyone[rid]
             start, rows = int(o.token_start), o.rows
             exact = isinstance(rows, np.ndarray) and np.array_equal(rows, expected_rows(r.content, start, start + len(rows)))
             r.outputs.append((start, len(rows), exact))
+            if keep:  # vLLM's output processor: each step's rows appended to the request's chunks
+                r.chunks.append(rows)
         del out
         for r, c in step.scheduled:
             r.computed += c
@@ -358,11 +389,14 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
             faults.append(f1 - f0 + f3 - f2)
             process_faults.append(p1 - p0 + p3 - p2)
             requests_per_step.append(n)
+    pool = kept_pool_stats(conn)
+    if keep:
+        finish_kept(everyone.values())
     conn.close()
     correct, rows_checked = check(everyone.values())
     host = times["host"]
     result = {
-        "impl": impl.name, "scenario": name, "backend": impl.backend, "steps": len(host),
+        "impl": impl.name, "scenario": name, "backend": impl.backend, "outputs": outputs, "steps": len(host),
         "requests_per_step": statistics.median(requests_per_step) if requests_per_step else 0,
         "host_us_median": med(host), "host_us_p90": p90(host), "connector_us_median": med(times["connector"]),
         "begin_us_median": med(times["begin"]), "prepare_us_median": med(times["prepare"]),
@@ -376,11 +410,20 @@ def run_scenario(impl: Impl, name: str, steps, max_num_seqs: int, num_kv_blocks:
         "correct": correct, "rows_checked": rows_checked,
         "block_bytes": BLOCK * L * K, "rss_construct_bytes": rss1 - rss0,
     }
+    if pool is not None:
+        result["kept_pool"] = pool
     if times["compute_stream"]:
         result["compute_stream_us_median"] = med(times["compute_stream"])
     if name == "store_probe":
         result["rss_per_filed_block_bytes"] = round(rss_filed / (NMAX // BLOCK), 1)
     return result
+
+
+def kept_pool_stats(conn):
+    """The library's pool of output memory (size, high-water mark, growth off and on the engine's
+    thread) where the connector has one."""
+    stats = getattr(conn, "kept_pool", None)
+    return dict(stats) if stats is not None else None
 
 
 def check(requests) -> tuple[bool, int]:
@@ -431,6 +474,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--prompt", type=int, default=None, help="decode scenarios' prompt (1024 CUDA, 32 CPU)")
     parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS))
+    parser.add_argument("--outputs", default="dropped,kept",
+                        help="dropped: each step's outputs checked and let go (a multi-process engine, once sent); "
+                             "kept: held until the request finishes, then concatenated (vLLM's in-process output "
+                             "processor)")
     parser.add_argument("--impls", default="vllm,routing_replay",
                         help="any of vllm, routing_replay, routing_replay_copy (the library with every step "
                              "through the device snapshot and a copy on the output stream)")
@@ -478,27 +525,31 @@ def main() -> None:
             impls.append(Impl(name, module, backend))
     peer_device = "cuda" if cuda else "cpu"
     results = {}
+    modes = ARGS.outputs.split(",")
     for name in ARGS.scenarios.split(","):
+        for mode in modes:
+            for impl in impls:
+                steps, seqs, blocks = scenario_steps(name, cuda)
+                result = run_scenario(impl, name, steps, seqs, blocks, peer_device, mode)
+                results[(impl.name, name, mode)] = result
+                print(json.dumps(result), flush=True)
+    for mode in modes:
         for impl in impls:
-            steps, seqs, blocks = scenario_steps(name, cuda)
-            result = run_scenario(impl, name, steps, seqs, blocks, peer_device)
-            results[(impl.name, name)] = result
-            print(json.dumps(result), flush=True)
-    for impl in impls:
-        for kind in ("decode", "decode_silent"):
-            a, b = results.get((impl.name, f"{kind}_B64")), results.get((impl.name, f"{kind}_B1024"))
-            if a and b:
-                slope = (b["host_us_median"] - a["host_us_median"]) / (1024 - 64)
-                key = "slope_us_per_request_B64_B1024" + ("_silent" if kind == "decode_silent" else "")
-                print(json.dumps({"impl": impl.name, "backend": backend, key: round(slope, 4)}), flush=True)
-    for name in ARGS.scenarios.split(","):
-        a, b = results.get(("vllm", name)), results.get(("routing_replay", name))
-        if a and b and a["host_us_median"] and b["host_us_median"]:
-            print(json.dumps({"scenario": name, "backend": backend,
-                              "ratio_vllm_over_routing_replay": round(a["host_us_median"] / b["host_us_median"], 2),
-                              "connector_ratio_vllm_over_routing_replay":
-                                  round(a["connector_us_median"] / b["connector_us_median"], 2)}),
-                  flush=True)
+            for kind in ("decode", "decode_silent"):
+                a, b = results.get((impl.name, f"{kind}_B64", mode)), results.get((impl.name, f"{kind}_B1024", mode))
+                if a and b:
+                    slope = (b["host_us_median"] - a["host_us_median"]) / (1024 - 64)
+                    key = "slope_us_per_request_B64_B1024" + ("_silent" if kind == "decode_silent" else "")
+                    print(json.dumps({"impl": impl.name, "backend": backend, "outputs": mode, key: round(slope, 4)}),
+                          flush=True)
+        for name in ARGS.scenarios.split(","):
+            a, b = results.get(("vllm", name, mode)), results.get(("routing_replay", name, mode))
+            if a and b and a["host_us_median"] and b["host_us_median"]:
+                print(json.dumps({"scenario": name, "backend": backend, "outputs": mode,
+                                  "ratio_vllm_over_routing_replay": round(a["host_us_median"] / b["host_us_median"], 2),
+                                  "connector_ratio_vllm_over_routing_replay":
+                                      round(a["connector_us_median"] / b["connector_us_median"], 2)}),
+                      flush=True)
 
 
 if __name__ == "__main__":

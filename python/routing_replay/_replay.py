@@ -31,6 +31,17 @@ _replay_ids = itertools.count(1)
 #: Live replays and capturers by id, for the torch custom op (routing_replay.torch_ops).
 _live: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
+_MIB = 1 << 20
+
+
+def _kept_pool_for(request_bytes: int):
+    """A pool for copies of requests of at most `request_bytes`: extents of one such request (2 to
+    16 MiB; a larger copy gets memory of its own, faulted in on the calling thread), two kept ahead,
+    a budget of two."""
+    extent = min(max(request_bytes, 2 * _MIB), 16 * _MIB)
+    extent = (extent + 2 * _MIB - 1) // (2 * _MIB) * (2 * _MIB)
+    return _core.KeptPool(extent, 2 * extent)
+
 
 class Replay:
     """One compiled ``RoutingReplay<Backend, Index, Layout, Copy, Storage>``, chosen by arguments.
@@ -141,6 +152,10 @@ class Replay:
             self._current_stream = lambda: default_handle
         else:
             self._current_stream = _arrays.current_stream_reader(native.device)
+        # copies of per-request views (extract(copy=True), the drop-in's get_routed_experts) a
+        # consumer keeps: memory faulted in ahead by a thread of the pool's own (docs/kept_outputs.md)
+        self._kept = _kept_pool_for(max_model_len * len(config.moe_layers) * top_k * np.dtype(index).itemsize) \
+            if storage == "per_request" else None
         self._id = next(_replay_ids)
         _live[self._id] = self
         self._torch_op, self._compiling = _torch_capture_op()
@@ -298,8 +313,20 @@ class Replay:
         copies. Missing rows hold :attr:`sentinel`. ``end_position`` clips (default: the recorded
         length); ``include_dense_layers`` returns every model layer, dense ones as the sentinel.
         """
-        return self._native.extract(request_id, start_position, -1 if end_position is None else end_position,
-                                    -1 if prompt_length is None else prompt_length, include_dense_layers, copy)
+        end = -1 if end_position is None else end_position
+        prompt = -1 if prompt_length is None else prompt_length
+        if copy and self._kept is not None and not include_dense_layers:
+            view = self._native.extract(request_id, start_position, end, prompt, False, False)
+            out = self._kept.array(view.shape, view.dtype.name)
+            np.copyto(out, view)
+            return out
+        return self._native.extract(request_id, start_position, end, prompt, include_dense_layers, copy)
+
+    @property
+    def kept_pool(self) -> dict:
+        """The pool extraction copies come from (per-request storage; empty otherwise): its figures,
+        as ``routing_replay.vllm``'s ``connector.kept_pool``."""
+        return {} if self._kept is None else self._kept.stats
 
     def extract_npy(self, request_id: int | str, start_position: int = 0, end_position: int | None = None, *,
                     include_dense_layers: bool = False) -> bytes:

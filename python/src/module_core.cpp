@@ -156,6 +156,7 @@ NB_MODULE(_core, m)
         },
         "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a.none() = nb::none(),
         "staging"_a = false, "Creates a host-backend replay (internal: use routing_replay.Replay).");
+  rp::bind_kept(m);              // host memory faulted in ahead for copies a consumer keeps
   rp::bind_slot_rows(m);         // routing_replay.sglang
   rp::register_vllm_streams(m);  // routing_replay.vllm
 }

@@ -14,6 +14,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -79,14 +80,16 @@ bool capture_array(stream_device_handle& d, std::int32_t layer, nb::handle array
 
 vllm_streams::vllm_streams(nb::object device, std::int32_t block_size, std::int32_t max_num_seqs,
                            std::int32_t max_num_batched_tokens, std::int32_t max_concurrent_batches, std::size_t max_bytes,
-                           nb::object current_stream)
+                           nb::object current_stream, std::int64_t kept_budget_bytes)
   : device_object_(std::move(device)),
     device_handle_(&nb::cast<stream_device_handle&>(device_object_)),
     device_(device_handle_->impl.get()),
     row_elems_(device_handle_->num_layers * device_handle_->top_k),
     out_bytes_(device_->out_bytes()),
     current_stream_(std::move(current_stream)),
-    chunks_(std::make_shared<chunk_pool>(device_->pinned_allocator(), device_->pinned_deallocator()))
+    chunks_(std::make_shared<chunk_pool>(
+      function_kept_memory{device_->pinned_allocator(), device_->pinned_deallocator(), device_->helper_thread_entry()},
+      output_pool_config(max_num_batched_tokens, row_elems_, out_bytes_, max_concurrent_batches, kept_budget_bytes)))
 {
   if (max_num_batched_tokens > device_handle_->max_rows) {
     throw nb::value_error("max_num_batched_tokens exceeds the capture buffer's rows");
@@ -103,10 +106,26 @@ vllm_streams::vllm_streams(nb::object device, std::int32_t block_size, std::int3
   streams_ = std::make_unique<row_streams>(c, [this](row_streams::handle h) { return describe(h); });
   step_starts_.resize(static_cast<std::size_t>(max_concurrent_batches));
   step_offsets_.resize(static_cast<std::size_t>(max_concurrent_batches));
-  // the steps in flight at once, of a full step each, ready before the first
-  chunks_->reserve(static_cast<std::size_t>(max_num_batched_tokens) * static_cast<std::size_t>(row_elems_) *
-                     static_cast<std::size_t>(out_bytes_),
-                   max_concurrent_batches);
+  // the budget faulted in before the first step (start-up, not a step)
+  nb::gil_scoped_release unlocked;
+  chunks_->memory().wait_until_filled();
+}
+
+kept_pool_config output_pool_config(std::int32_t max_num_batched_tokens, std::int32_t row_elems, std::int32_t out_bytes,
+                                    std::int32_t max_concurrent_batches, std::int64_t budget_bytes)
+{
+  const std::size_t step = static_cast<std::size_t>(std::max(max_num_batched_tokens, 1)) *
+                           static_cast<std::size_t>(row_elems) * static_cast<std::size_t>(out_bytes);
+  constexpr std::size_t granule = std::size_t{2} << 20;
+  kept_pool_config c;
+  // two full steps an extent, in 2 MiB units: a full step's slice never leaves most of one unused
+  c.extent_bytes = (2 * step + granule - 1) / granule * granule;
+  // two extents kept ahead (the default), and by default a budget of the steps in flight at once
+  // and as many again, rounded up to extents
+  const std::size_t in_flight = static_cast<std::size_t>(std::max(max_concurrent_batches, 1)) + 2;
+  c.budget_bytes = budget_bytes >= 0 ? static_cast<std::size_t>(budget_bytes)
+                                     : (in_flight * step + c.extent_bytes - 1) / c.extent_bytes * c.extent_bytes;
+  return c;
 }
 
 vllm_streams::~vllm_streams()
@@ -203,9 +222,10 @@ void register_vllm_streams(nb::module_& m)
 
   nb::class_<vllm_streams>(m, "VllmStreams", "The routed-experts data plane of one output rank (internal: use "
                                              "routing_replay.vllm.AuxOutputWorkerConnector).")
-    .def(nb::init<nb::object, std::int32_t, std::int32_t, std::int32_t, std::int32_t, std::size_t, nb::object>(), "device"_a,
+    .def(nb::init<nb::object, std::int32_t, std::int32_t, std::int32_t, std::int32_t, std::size_t, nb::object, std::int64_t>(),
+         "device"_a,
          "block_size"_a, "max_num_seqs"_a, "max_num_batched_tokens"_a, "max_concurrent_batches"_a, "max_bytes"_a,
-         "current_stream"_a.none())
+         "current_stream"_a.none(), "kept_budget_bytes"_a = -1)
     .def("use_raw_stream_reader", &vllm_streams::use_raw_stream_reader, "read"_a, "argument"_a, "ready"_a,
          "Reads the current stream as read(argument) once ready() is true (torch's raw-stream reader), "
          "instead of the current_stream callable.")
@@ -225,6 +245,14 @@ void register_vllm_streams(nb::module_& m)
     .def_prop_ro("pool_slots", [](vllm_streams& s) { return s.streams().pool_slots(); })
     .def_prop_ro("free_pool_slots", [](vllm_streams& s) { return s.streams().free_pool_slots(); })
     .def_prop_ro("host_chunks", &vllm_streams::host_chunks)
+    .def_prop_ro("kept_pool", [](vllm_streams& s) { return kept_pool_dict(s.output_memory().stats()); },
+                 "The pool of output memory: size_bytes, size_high_water_bytes, in_use_bytes, high_water_bytes, "
+                 "budget_bytes, ahead_bytes, extent_bytes, slices, extents_made, extents_over_budget, "
+                 "extents_in_step (made on the engine's thread: nothing was ready), extents_freed, filling_failed.")
+    .def_prop_rw("kept_budget_bytes", [](vllm_streams& s) { return s.output_memory().stats().budget_bytes; },
+                 [](vllm_streams& s, std::size_t bytes) { s.output_memory().set_budget(bytes); },
+                 "Bytes of output memory the pool faults in ahead and keeps (its filling thread grows it past them "
+                 "while consumers keep more).")
     .def_prop_rw("direct_write_bytes", &vllm_streams::direct_write_bytes, &vllm_streams::set_direct_write_bytes,
                  "The largest step, in bytes of rows, whose rows the end-of-step kernel writes straight into pinned "
                  "host memory (no copy on the output stream); 0: none. The host backend writes every step so.")

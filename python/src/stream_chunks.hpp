@@ -1,15 +1,17 @@
 /// @file
-/// Host memory the output copy of a step lands in: chunks of pinned memory (plain host memory on
-/// the host backend), in power-of-two size classes, reused. A chunk is held by the step until it is
-/// processed, by filing tasks that read it, and by the numpy views of its rows handed out; it
-/// returns to its class when the last of them lets go, on whichever thread that is. So a steady
-/// state allocates no chunk, and a consumer that keeps an output keeps its chunk.
+/// Host memory the output copy of a step lands in: a slice of a kept_rows_pool of pinned memory
+/// (plain host memory on the host backend) faulted in ahead of need by the pool's filling thread,
+/// exactly the step's rows. A chunk is held by the step until it is processed, by filing tasks that
+/// read it, and by the numpy views of its rows handed out (vLLM's in-process output processor keeps
+/// them until the request finishes); its slice goes back to the pool when the last of them lets go,
+/// on whichever thread that is. So a step takes no page fault and allocates no memory however long
+/// the consumer keeps its outputs, while the pool holds enough (docs/kept_outputs.md).
 #pragma once
 
 #include <routing_replay/detail/row_stream_filing.hpp>
+#include <routing_replay/kept_rows_pool.hpp>
 
 #include <atomic>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -21,113 +23,98 @@ namespace routing_replay::python {
 
 class chunk_pool;
 
-/// @brief One chunk: its bytes and its holders.
+/// @brief The pool of output memory: pinned memory of the device side, through two functions.
+using output_pool = kept_rows_pool<function_kept_memory>;
+
+/// @brief One chunk: a slice of the pool and its holders.
 class row_chunk final : public step_rows_owner {
  public:
-  /// @brief `bytes` at `data`, of size class `size_class`, held by nobody yet.
-  row_chunk(std::byte* data, std::size_t bytes, std::int32_t size_class) noexcept
-    : data_(data), bytes_(bytes), size_class_(size_class)
-  {
-  }
   /// @brief The bytes.
-  [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  [[nodiscard]] std::byte* data() const noexcept { return slice_.data; }
   /// @brief How many.
-  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
-  /// @brief Its size class (log2 of its bytes).
-  [[nodiscard]] std::int32_t size_class() const noexcept { return size_class_; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return slice_.bytes; }
   /// @brief One more holder.
   void retain_rows() noexcept override { holders_.fetch_add(1, std::memory_order_relaxed); }
-  /// @brief A holder lets go; the last one gives the chunk back to its pool.
+  /// @brief A holder lets go; the last one gives the slice back to the pool.
   void release_rows() noexcept override;
 
  private:
   friend class chunk_pool;
-  std::byte* data_;
-  std::size_t bytes_;
-  std::int32_t size_class_;
+  output_pool::slice slice_;
   std::atomic<std::int32_t> holders_{0};
   std::shared_ptr<chunk_pool> pool_;  // while held: the pool outlives its chunks in use
 };
 
-/// @brief Chunks by size class, allocated and freed through the backend's pinned memory calls.
+/// @brief Chunks over an output_pool. The chunk records themselves are made in batches and reused,
+/// so that a step allocates none (a consumer keeping its outputs keeps one a step).
 class chunk_pool : public std::enable_shared_from_this<chunk_pool> {
  public:
-  /// @brief The smallest class: 64 KiB.
-  static constexpr std::int32_t min_class = 16;
+  /// @brief Chunk records made at once when none is free.
+  static constexpr std::size_t records_per_batch = 256;
 
-  /// @brief A pool over `allocate` and `deallocate` (which must work after the device object is gone).
-  chunk_pool(void* (*allocate)(std::size_t), void (*deallocate)(void*, std::size_t)) noexcept
-    : allocate_(allocate), deallocate_(deallocate)
-  {
-  }
+  /// @brief A pool of `config`'s sizes over `memory` (whose functions must work after the device
+  /// object is gone: the pool lives as long as a chunk is held).
+  chunk_pool(function_kept_memory memory, const kept_pool_config& config) : pool_(config, std::move(memory)) {}
   chunk_pool(const chunk_pool&)            = delete;
   chunk_pool& operator=(const chunk_pool&) = delete;
-  ~chunk_pool()
-  {
-    for (const auto& c : all_) { deallocate_(c->data_, c->bytes_); }
-  }
 
-  /// @brief A chunk of at least `bytes`, held once by the caller.
+  /// @brief A chunk of `bytes` (> 0), held once by the caller.
+  /// @throws what the pool's memory throws, where nothing was ready (see kept_rows_pool::take)
   [[nodiscard]] row_chunk* take(std::size_t bytes)
   {
-    const auto size_class = std::max<std::int32_t>(min_class, static_cast<std::int32_t>(std::bit_width(bytes > 0 ? bytes - 1 : 0)));
-    row_chunk* c          = nullptr;
+    row_chunk* c = nullptr;
     {
-      std::lock_guard lock{mutex_};
-      if (static_cast<std::size_t>(size_class) < free_.size() && !free_[static_cast<std::size_t>(size_class)].empty()) {
-        c = free_[static_cast<std::size_t>(size_class)].back();
-        free_[static_cast<std::size_t>(size_class)].pop_back();
-      }
+      const std::lock_guard lock{mutex_};
+      if (free_.empty()) { make_records(); }
+      c = free_.back();
+      free_.pop_back();
     }
-    if (c == nullptr) { c = grow(size_class); }
+    try {
+      c->slice_ = pool_.take(bytes);
+    } catch (...) {
+      const std::lock_guard lock{mutex_};
+      free_.push_back(c);  // room: it was there
+      throw;
+    }
     c->holders_.store(1, std::memory_order_relaxed);
     c->pool_ = shared_from_this();
     return c;
   }
 
-  /// @brief Makes `count` chunks of `bytes` ready ahead of need.
-  void reserve(std::size_t bytes, std::int32_t count)
-  {
-    std::vector<row_chunk*> taken;
-    for (std::int32_t i = 0; i < count; ++i) { taken.push_back(take(bytes)); }
-    for (row_chunk* c : taken) { c->release_rows(); }
-  }
+  /// @brief The memory pool (its stats, its budget).
+  [[nodiscard]] output_pool& memory() noexcept { return pool_; }
 
-  /// @brief Chunks made so far.
+  /// @brief Chunk records made so far.
   [[nodiscard]] std::size_t chunks() const
   {
-    std::lock_guard lock{mutex_};
-    return all_.size();
+    const std::lock_guard lock{mutex_};
+    return records_.size() * records_per_batch;
   }
 
  private:
   friend class row_chunk;
 
-  row_chunk* grow(std::int32_t size_class)
+  // A batch of records, with room in free_ for every record there is (give() never allocates).
+  void make_records()
   {
-    const std::size_t bytes = std::size_t{1} << size_class;
-    auto* data              = static_cast<std::byte*>(allocate_(bytes));
-    std::lock_guard lock{mutex_};
-    all_.push_back(std::make_unique<row_chunk>(data, bytes, size_class));
-    return all_.back().get();
+    auto batch = std::make_unique<row_chunk[]>(records_per_batch);
+    free_.reserve((records_.size() + 1) * records_per_batch);
+    for (std::size_t i = 0; i < records_per_batch; ++i) { free_.push_back(&batch[i]); }
+    records_.push_back(std::move(batch));
   }
 
   void give(row_chunk* c) noexcept
   {
     std::shared_ptr<chunk_pool> keep = std::move(c->pool_);  // the pool may go with the last chunk
-    try {
-      std::lock_guard lock{mutex_};
-      if (free_.size() <= static_cast<std::size_t>(c->size_class_)) { free_.resize(static_cast<std::size_t>(c->size_class_) + 1); }
-      free_[static_cast<std::size_t>(c->size_class_)].push_back(c);
-    } catch (...) {  // no room to list it: it stays allocated, unused, until the pool goes
-    }
+    pool_.release(std::exchange(c->slice_, {}));
+    const std::lock_guard lock{mutex_};
+    free_.push_back(c);
   }
 
-  void* (*allocate_)(std::size_t);
-  void (*deallocate_)(void*, std::size_t);
+  output_pool pool_;
   mutable std::mutex mutex_;
-  std::vector<std::vector<row_chunk*>> free_;  // by size class
-  std::vector<std::unique_ptr<row_chunk>> all_;
+  std::vector<std::unique_ptr<row_chunk[]>> records_;
+  std::vector<row_chunk*> free_;
 };
 
 inline void row_chunk::release_rows() noexcept

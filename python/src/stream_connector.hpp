@@ -60,9 +60,10 @@ class vllm_streams {
  public:
   /// @brief Streams over `device` (a _StreamDevice); `current_stream` (no arguments) gives the CUDA
   /// stream handle calls enqueue on (None: the host backend's own streams).
+  /// `kept_budget_bytes` (< 0: the default, output_pool_config()) is the output pool's budget.
   vllm_streams(nanobind::object device, std::int32_t block_size, std::int32_t max_num_seqs,
                std::int32_t max_num_batched_tokens, std::int32_t max_concurrent_batches, std::size_t max_bytes,
-               nanobind::object current_stream);
+               nanobind::object current_stream, std::int64_t kept_budget_bytes);
   vllm_streams(const vllm_streams&)            = delete;
   vllm_streams& operator=(const vllm_streams&) = delete;
   ~vllm_streams();
@@ -84,8 +85,10 @@ class vllm_streams {
 
   /// @brief The streams (introspection).
   [[nodiscard]] row_streams& streams() noexcept { return *streams_; }
-  /// @brief Chunks of host copies made so far.
+  /// @brief Chunk records made so far.
   [[nodiscard]] std::size_t host_chunks() const { return chunks_->chunks(); }
+  /// @brief The pool the chunks' memory comes from.
+  [[nodiscard]] output_pool& output_memory() noexcept { return chunks_->memory(); }
   /// @brief The largest step (bytes of rows) the end-of-step kernel writes straight into host memory.
   [[nodiscard]] std::size_t direct_write_bytes() const noexcept { return device_->direct_write_bytes(); }
   /// @brief Sets it (0: every step through the device snapshot and a copy on the output stream).
@@ -141,6 +144,15 @@ class vllm_streams {
   position_cache scheduled_ids_;  // metadata.requests, by position
   position_cache batch_ids_;      // input_batch.req_ids, by position
 };
+
+/// @brief The output pool's sizes for steps of `max_num_batched_tokens` rows of `row_elems` ids of
+/// `out_bytes` bytes: extents of two full steps, and a budget of `budget_bytes` (< 0: the steps in
+/// flight at once plus two, in whole extents).
+kept_pool_config output_pool_config(std::int32_t max_num_batched_tokens, std::int32_t row_elems, std::int32_t out_bytes,
+                                    std::int32_t max_concurrent_batches, std::int64_t budget_bytes);
+
+/// @brief A kept pool's stats as a dict (the names of kept_pool_stats' fields).
+nanobind::dict kept_pool_dict(const kept_pool_stats& stats);
 
 /// @brief str(id) for an error message ("?" where str() fails; its error is cleared).
 std::string id_text(PyObject* id);

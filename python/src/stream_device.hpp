@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,6 +65,9 @@ class stream_device_base {
   [[nodiscard]] virtual void* (*pinned_allocator() const noexcept)(std::size_t) = 0;
   /// @brief How that memory is freed (Backend::free_pinned); callable after this object is gone.
   [[nodiscard]] virtual void (*pinned_deallocator() const noexcept)(void*, std::size_t) = 0;
+  /// @brief What a helper thread that allocates pinned memory runs first (CUDA: adopt the calling
+  /// thread's device, relaxed capture mode); read on the engine's thread.
+  [[nodiscard]] virtual std::function<void()> helper_thread_entry() const = 0;
 };
 
 /// @brief Turns an integer stream handle into the backend's stream (stream_cast in replay_impl.hpp).
@@ -162,6 +166,12 @@ class stream_device_impl final : public stream_device_base {
   [[nodiscard]] void* (*pinned_allocator() const noexcept)(std::size_t) override { return &allocate; }
   /// @brief Backend::free_pinned.
   [[nodiscard]] void (*pinned_deallocator() const noexcept)(void*, std::size_t) override { return &Backend::free_pinned; }
+  /// @brief Backend::adopt_host_thread_context of the calling thread's context.
+  [[nodiscard]] std::function<void()> helper_thread_entry() const override
+  {
+    auto state = Backend::host_thread_context();
+    return [state] { Backend::adopt_host_thread_context(state); };
+  }
 
  private:
   struct no_streams {};

@@ -150,13 +150,14 @@ PyObject* make_chunk_holder(row_chunk* chunk) noexcept
 }
 
 PyObject* make_rows_view(PyObject* holder, const void* data, std::int64_t rows, std::int64_t layers, std::int64_t top_k,
-                         std::int32_t id_bytes) noexcept
+                         std::int32_t id_bytes, bool writeable) noexcept
 {
   static unsigned char nothing = 0;  // numpy allocates where it is handed no pointer, even for no rows
   npy_intp dims[3] = {static_cast<npy_intp>(rows), static_cast<npy_intp>(layers), static_cast<npy_intp>(top_k)};
   PyObject* array = PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(npy_type(id_bytes)), 3, dims, nullptr,
                                          const_cast<void*>(data != nullptr ? data : &nothing),
-                                         NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, nullptr);
+                                         NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | (writeable ? NPY_ARRAY_WRITEABLE : 0),
+                                         nullptr);
   if (array == nullptr) { return nullptr; }
   Py_INCREF(holder);
   if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(array), holder) < 0) {  // steals the holder

@@ -28,10 +28,11 @@ bool init_stream_outputs(PyObject* module);
 /// every view of a step's rows. nullptr with a Python error set.
 [[nodiscard]] PyObject* make_chunk_holder(row_chunk* chunk) noexcept;
 
-/// @brief A read-only numpy view [rows, layers, top_k] of `data` (ids of `id_bytes` bytes, unsigned)
-/// whose base is `holder`. nullptr with a Python error set.
+/// @brief A numpy view [rows, layers, top_k] of `data` (ids of `id_bytes` bytes, unsigned) whose
+/// base is `holder`, read-only unless `writeable` (rows in a slice of their own). nullptr with a
+/// Python error set.
 [[nodiscard]] PyObject* make_rows_view(PyObject* holder, const void* data, std::int64_t rows, std::int64_t layers,
-                                       std::int64_t top_k, std::int32_t id_bytes) noexcept;
+                                       std::int64_t top_k, std::int32_t id_bytes, bool writeable = false) noexcept;
 
 /// @brief A 1-D column of integers in place: `count` items of `item_bytes` bytes, `byte_stride` apart.
 struct int_column {

@@ -25,12 +25,13 @@ struct dict_sink {
   PyObject* dict;
   PyObject* ids;  // a list, by batch index
   row_chunk* chunk;
+  chunk_pool* pool;  // rows that did not come in the step (prefix hits) get a slice of their own
   std::int64_t layers, top_k;
   std::int32_t id_bytes;
   PyObject* holder = nullptr;  // the chunk's holder, made with the first view
 
-  dict_sink(PyObject* d, PyObject* i, row_chunk* c, std::int64_t l, std::int64_t k, std::int32_t b) noexcept
-    : dict(d), ids(i), chunk(c), layers(l), top_k(k), id_bytes(b)
+  dict_sink(PyObject* d, PyObject* i, row_chunk* c, chunk_pool* p, std::int64_t l, std::int64_t k, std::int32_t b) noexcept
+    : dict(d), ids(i), chunk(c), pool(p), layers(l), top_k(k), id_bytes(b)
   {
   }
   dict_sink(const dict_sink&)            = delete;
@@ -52,9 +53,21 @@ struct dict_sink {
 
   std::byte* materialize(std::size_t i, std::int64_t token_start, std::int64_t count)
   {
-    void* data = nullptr;
-    add(i, token_start, make_rows_array(count, layers, top_k, id_bytes, &data));
-    return static_cast<std::byte*>(data);
+    if (count == 0) {
+      void* data = nullptr;
+      add(i, token_start, make_rows_array(0, layers, top_k, id_bytes, &data));
+      return static_cast<std::byte*>(data);
+    }
+    // a slice of the output pool, as the step's own rows: a consumer may keep these too (an array
+    // of its own, writeable as numpy's would be)
+    row_chunk* c = pool->take(static_cast<std::size_t>(count * layers * top_k * id_bytes));
+    PyObject* h  = make_chunk_holder(c);  // holds it once more
+    c->release_rows();
+    if (h == nullptr) { throw nb::python_error(); }
+    PyObject* array = make_rows_view(h, c->data(), count, layers, top_k, id_bytes, true);
+    Py_DECREF(h);
+    add(i, token_start, array);
+    return c->data();
   }
 
   void add(std::size_t i, std::int64_t token_start, PyObject* array)
@@ -288,7 +301,8 @@ nb::object vllm_streams::process_output(pending_output& p)
     throw nb::python_error();
   }
   try {
-    dict_sink sink{outputs.ptr(), p.request_ids.ptr(), p.chunk, device_handle_->num_layers, device_handle_->top_k, out_bytes_};
+    dict_sink sink{outputs.ptr(),        p.request_ids.ptr(),     p.chunk,   chunks_.get(),
+                   device_handle_->num_layers, device_handle_->top_k, out_bytes_};
     streams_->commit(p.step, p.chunk != nullptr ? p.chunk->data() : nullptr, sampled_.data(), rejected_.data(), p.chunk, sink);
   } catch (...) {  // commit retired the step
     forget_torn_down();

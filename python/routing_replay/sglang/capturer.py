@@ -40,6 +40,7 @@ except ImportError:  # the stdlib module has the same b64 functions
 
 from .. import _arrays, _core, _live, _replay_ids, _torch_capture_op
 from .. import _cuda_device, _parse_device, _usable_cuda
+from .._replay import _kept_pool_for
 from . import _context
 
 logger = logging.getLogger("routing_replay.sglang")
@@ -207,6 +208,9 @@ class RoutedExpertsCapturer:
             self._device_index = self._native.device
             read_stream, key = _arrays.raw_stream_reader(self._device_index)
         self._read_stream, self._stream_key = read_stream, key
+        # get_topk's arrays, which SGLang keeps until it sends them: memory faulted in ahead by a thread
+        # of the pool's own (docs/kept_outputs.md); a read larger than an extent gets memory of its own
+        self._kept = _kept_pool_for(8 << 20)
         self._visible = 0  # the newest step whose rows get_topk may read
         self._codes = _arrays._torch_dtype_codes() if self._torch is not None else {}
         self._hot = _arrays.never_hot
@@ -330,9 +334,16 @@ class RoutedExpertsCapturer:
                 position and slot."""
         slots, first = self._request_slots(req_pool_idx, seqlen, req_to_token_pool, start_len)
         shape = (int(slots.shape[0]), self.num_layers, self.topk_size)
-        out = self._torch.empty(shape, dtype=self._torch.int32) if self._torch is not None else np.empty(shape, np.int32)
+        array = self._kept.array(shape, "int32")
+        out = self._torch.from_numpy(array) if self._torch is not None else array  # shares the slice
         self._native.read_into(slots, out, first, f"request pool index {int(req_pool_idx)}", 0, self._visible)
         return out
+
+    @property
+    def kept_pool(self) -> dict:
+        """The pool get_topk's arrays come from: its figures (as ``routing_replay.vllm``'s
+        ``connector.kept_pool``)."""
+        return self._kept.stats
 
     def get_topk_base64(self, req_pool_idx: int, seqlen: int, req_to_token_pool, start_len: int = 0) -> str:
         """SGLang's ``routed_experts`` field for the request, byte for byte: base64 of the int32 bytes

@@ -13,7 +13,11 @@ filed by a background thread into a content-addressed block tier keyed by the KV
 a request whose prefix hits the KV cache gets those rows back from it. Everything vLLM asserts is
 refused with an exception that names the request, the range and the block; a needed block that is
 gone raises BlockObjectStoreError. Outputs are numpy views of the step's host copy where the rows
-came in the step: keeping an output keeps that copy (a chunk of pinned memory) alive.
+came in the step: a slice of a pool of pinned memory that a thread of its own faults in ahead of
+need. Keeping an output (vLLM's in-process output processor keeps every step's rows until the
+request finishes) keeps its slice; the slice goes back to the pool when the last view of it goes.
+The pool holds ``kept_budget_bytes`` and grows past it, on its own thread, while consumers keep
+more, so a step never faults a page in for its outputs (``kept_pool``: its figures).
 """
 
 from __future__ import annotations
@@ -70,9 +74,12 @@ class AuxOutputWorkerConnector:
         kv_cache_config: ``block_size`` (the hash block) and ``num_blocks`` (the default budget:
             one block of rows per KV block).
         device: as for :class:`RoutedExpertsCapturer`.
+        kept_budget_bytes: host memory for outputs the pool faults in at construction and keeps
+            (None: the steps in flight at once plus two full steps, in whole extents of two full
+            steps); consumers that keep more make it grow past the budget off the engine's thread.
     """
 
-    def __init__(self, *, vllm_config, model, kv_cache_config, device=None) -> None:
+    def __init__(self, *, vllm_config, model, kv_cache_config, device=None, kept_budget_bytes: int | None = None) -> None:
         scheduler = vllm_config.scheduler_config
         max_num_batched_tokens = scheduler.max_num_batched_tokens
         capturer = RoutedExpertsCapturer(max_num_batched_tokens=max_num_batched_tokens, vllm_config=vllm_config,
@@ -95,7 +102,7 @@ class AuxOutputWorkerConnector:
         current_stream = None if capturer._on_host else _arrays.current_stream_reader(capturer._device_index)
         self._native = _core.VllmStreams(capturer._device, hash_block_size, scheduler.max_num_seqs,
                                          max_num_batched_tokens, vllm_config.max_concurrent_batches, max_bytes,
-                                         current_stream)
+                                         current_stream, -1 if kept_budget_bytes is None else int(kept_budget_bytes))
         if current_stream is not None:
             read, key = _arrays.raw_stream_reader(capturer._device_index)
             if key is not None:  # torch's builtin, called natively once torch holds its CUDA state
@@ -138,6 +145,26 @@ class AuxOutputWorkerConnector:
         return {} if self._native is None else self._native.tier_stats()
 
     @property
+    def kept_pool(self) -> dict:
+        """The pool of output memory: ``size_bytes`` held (faulted in) and ``size_high_water_bytes``,
+        ``in_use_bytes`` (outputs not let go) and ``high_water_bytes``, ``budget_bytes``,
+        ``ahead_bytes`` (kept free beyond those in use), ``extent_bytes``, ``slices`` taken,
+        ``extents_made`` by its filling thread (``extents_over_budget`` of them past the budget),
+        ``extents_in_step`` (made on the engine's thread: nothing was ready), ``extents_freed``,
+        ``filling_failed``. Empty off the output rank."""
+        return {} if self._native is None else self._native.kept_pool
+
+    @property
+    def kept_budget_bytes(self) -> int:
+        """The output pool's budget; setting it makes the filling thread fault in up to it."""
+        return 0 if self._native is None else self._native.kept_budget_bytes
+
+    @kept_budget_bytes.setter
+    def kept_budget_bytes(self, value: int) -> None:
+        if self._native is not None:
+            self._native.kept_budget_bytes = int(value)
+
+    @property
     def native(self):
         """The native data plane (None off the output rank)."""
         return self._native
@@ -151,7 +178,7 @@ def get_aux_output_connector(model, vllm_config, kv_cache_config) -> AuxOutputWo
 def make_worker_connector(num_layers: int, num_experts: int, top_k: int, max_num_batched_tokens: int,
                           max_num_seqs: int, *, block_size: int = 16, num_kv_blocks: int = 65536,
                           max_concurrent_batches: int = 2, max_bytes: int | None = None,
-                          device=None) -> AuxOutputWorkerConnector:
+                          device=None, kept_budget_bytes: int | None = None) -> AuxOutputWorkerConnector:
     """A connector without vLLM: the config objects are made here, with the fields vLLM's code reads
     (one data-parallel rank, one tensor-parallel rank). No model is bound: call
     ``connector.capturer.capture`` yourself."""
@@ -166,4 +193,5 @@ def make_worker_connector(num_layers: int, num_experts: int, top_k: int, max_num
         aux_output_config=SimpleNamespace(max_bytes=max_bytes),
     )
     kv_cache_config = SimpleNamespace(block_size=block_size, num_blocks=num_kv_blocks)
-    return AuxOutputWorkerConnector(vllm_config=vllm_config, model=None, kv_cache_config=kv_cache_config, device=device)
+    return AuxOutputWorkerConnector(vllm_config=vllm_config, model=None, kv_cache_config=kv_cache_config, device=device,
+                                    kept_budget_bytes=kept_budget_bytes)
