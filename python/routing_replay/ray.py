@@ -249,14 +249,6 @@ class RankPlace:
         return cls(layers=tuple(layer_map.moe_in(stage)), **ranks)
 
 
-def _natural_dtype(num_experts: int, buffer) -> np.dtype:
-    """The dtype ``wire.decode`` returns for this record without ``out`` (read from a one-row decode)."""
-    h = _header(buffer)
-    if h["num_tokens"] == 0:
-        return np.dtype(np.uint8 if num_experts <= 255 else np.uint16 if num_experts <= 65535 else np.int32)
-    return wire.decode(buffer, tokens=slice(h["token_start"], h["token_start"] + 1), layers=slice(0, 1)).dtype
-
-
 def _runs(keys: np.ndarray) -> list[tuple[int, int]]:
     """[start, stop) of the runs where ``keys`` increases by exactly 1 from one element to the next."""
     if keys.size == 0:
@@ -416,7 +408,7 @@ def rank_routing(refs: Sequence[RouteRef], place: RankPlace, *, layer_map: Layer
 
     buffers = _get(refs, timeout)
     headers = [_check_object(buf, r) for buf, r in zip(buffers, refs)]
-    out_dtype = np.dtype(dtype) if dtype is not None else _natural_dtype(refs[0].num_experts, buffers[0])
+    out_dtype = np.dtype(dtype) if dtype is not None else wire.dtype_for(refs[0].num_experts)
     if out_dtype.kind not in "iu":
         raise TypeError(f"routing ids are integers, got dtype {out_dtype}")
     sentinel = sentinel_of(out_dtype)
