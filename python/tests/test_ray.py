@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -115,6 +116,18 @@ class Rank:
         except rr_ray.RouteLostError as e:
             return type(e).__name__, str(e), e.sample
         return None
+
+
+def kill_and_wait(actor) -> None:
+    """Kills an actor and returns once Ray reports it dead (ray.kill does not wait)."""
+    ray.kill(actor)
+    for _ in range(600):
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the actor did not die")
 
 
 def test_eight_ranks_get_their_slices(cluster):
@@ -226,7 +239,7 @@ def test_lost_object(cluster):
     lengths, _, _ = batch(11, 4)
     rollout = Rollout.remote()
     refs = ray.get(rollout.publish.remote(11, 4))
-    ray.kill(rollout)  # the owner of the objects exits before the ranks fetch
+    kill_and_wait(rollout)  # the owner of the objects exits before the ranks fetch
     rank = Rank.remote()
     name, message, sample = ray.get(rank.fetch_error.remote(refs[2]))
     assert name == "RouteLostError" and sample == "req-2"
@@ -293,3 +306,4 @@ def test_rank_decodes_only_its_rows_and_layers(cluster, monkeypatch):
     # one decode per context-parallel chunk of each of the rank's two samples, its stage's layers only
     assert len(calls) <= 4 and all(layers == slice(2, 5) for _, layers in calls)
     assert sum(t.stop - t.start for t, _ in calls) <= len(got)
+
