@@ -17,10 +17,11 @@
 # - the fuzzer for 2 minutes (clang, its own build: scripts/fuzz.sh), one thread beside the steps
 #   after the CUDA build, several of which leave the second core idle (serial tests, the soak);
 # - the Python package exactly as a user installs it (a fresh virtual environment, pip install
-#   ./python), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
+#   "./python[plot,ray]"), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
 #   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, with torch from PyPI (the vLLM
-#   and SGLang differential tests run those engines' code on the CPU), and its pytest suite: every
-#   policy combination on the host backend;
+#   and SGLang differential tests run those engines' code on the CPU) and transformers (the
+#   examples and replay tests on a random MoE model), and its pytest suite: every policy
+#   combination on the host backend, Ray's tests on a cluster of the machine's cores;
 # - the packaging checks (Conan, vcpkg port), the documentation check, the engine-loop benchmark on
 #   the host backend (every line must be correct), a short run of the block-slot floor benchmark
 #   and the demo on a small run with the README's numpy check of its files, and the host example
@@ -104,9 +105,12 @@ echo "installed in $(( $(date +%s) - python_start )) s"
 # the engines' own released code, which needs it, beside ours (differential tests; they skip, saying
 # why, where that code is not beside the checkout). About 2 minutes, as much unpacking (5 GB with
 # its CUDA libraries) as download: beside the builds it slows them by more than it saves.
+# transformers: the examples on a random Qwen3-MoE (examples/python/*.py through test_examples.py:
+# the closed loop, and the rollout through Ray to trainer actors) and the Hugging Face replay tests
+# run on the CPU.
 torch_start=$(date +%s)
-"$python_venv/bin/pip" install -q torch
-echo "torch installed in $(( $(date +%s) - torch_start )) s"
+"$python_venv/bin/pip" install -q torch transformers
+echo "torch and transformers installed in $(( $(date +%s) - torch_start )) s"
 "$python_venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 
 scripts/packaging_check.sh

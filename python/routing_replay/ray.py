@@ -26,8 +26,8 @@ Trainer rank (data-parallel 2 x pipeline 2 x context-parallel 2)::
                                   final_token="repeat", align=4, pad_rows="first_k")
 
 Objects live as long as some :class:`RouteRef` (or its ``object_ref``) does, and belong to the
-process that published them (or to ``owner``): if that process exits first, or Ray loses the
-object, reading it raises :class:`RouteLostError`, never returns other rows.
+process that published them: if that process exits first, or Ray loses the object, reading it
+raises :class:`RouteLostError`, never returns other rows.
 
 Requires the ``ray`` extra (``pip install "routing-replay[ray]"``).
 """
@@ -77,15 +77,15 @@ class RecordMismatchError(ValueError):
 class RouteLostError(RuntimeError):
     """Ray no longer has a sample's route record: its owner (the process that published it) exited,
     it was freed, or its node died. Its rows cannot be recomputed on the trainer's side: re-run that
-    sample's rollout, and keep the publisher alive (or publish with ``owner=`` a long-lived actor)
-    until every rank has fetched. :attr:`sample` names it."""
+    sample's rollout, and publish from a process that outlives the fetches. :attr:`sample` names it."""
 
     def __init__(self, sample: Any, cause: BaseException) -> None:
         super().__init__(
             f"sample {sample!r}: its route record is gone from Ray's object store ({type(cause).__name__}: the "
             "process that published it exited, or the object was freed or lost with its node) and Ray cannot "
             "rebuild an object made by ray.put. Re-run this sample's rollout; to keep records alive until every "
-            "rank has fetched them, keep the publishing actor alive or publish with owner= a long-lived actor")
+            "rank has fetched them, publish from a process that outlives the fetches (the actor driving the "
+            "rollout, not a per-request worker) and keep its RouteRefs until the training step is done")
         self.sample = sample
 
 
@@ -133,15 +133,16 @@ def _header(record) -> dict:
             "layer_map": [int(x) for x in h["layer_map"]], "chunk_tokens": int(h.get("chunk_tokens") or 0)}
 
 
-def publish(records: Sequence[Any], *, samples: Sequence[Any] | None = None, owner: Any = None) -> list[RouteRef]:
+def publish(records: Sequence[Any], *, samples: Sequence[Any] | None = None) -> list[RouteRef]:
     """Puts each route record (bytes-like, from :func:`routing_replay.wire.encode`) into Ray's object
     store as one object and returns one :class:`RouteRef` per record, in order.
 
     Each object is the record's bytes as a uint8 numpy array, so the store holds the record's size
     and no more, and a reader on the same node maps it without copying. ``samples``: what errors
-    call each record's sample (request ids; default: the index). ``owner``: the actor that owns the
-    objects (Ray's ``_owner``; default: this process, whose exit frees them). Call it in a Ray
-    worker or driver (``ray.init()`` done). A record the decoder's header check refuses raises
+    call each record's sample (request ids; default: the index). The objects belong to the calling
+    process (Ray's ownership: a process's objects go when it exits), so publish from one that
+    outlives the ranks' reads, such as the long-lived actor that drives the rollout. Call it in a
+    Ray worker or driver (``ray.init()`` done). A record the decoder's header check refuses raises
     that error here, before anything is put.
     """
     if samples is not None and len(samples) != len(records):
@@ -156,7 +157,7 @@ def publish(records: Sequence[Any], *, samples: Sequence[Any] | None = None, own
     for i, (record, h) in enumerate(zip(records, headers)):
         # a uint8 array, not bytes: Ray stores numpy buffers out of band, so ray.get maps them without a copy
         payload = np.frombuffer(record, dtype=np.uint8)
-        object_ref = ray.put(payload) if owner is None else ray.put(payload, _owner=owner)
+        object_ref = ray.put(payload)
         refs.append(RouteRef(object_ref=object_ref, sample=samples[i] if samples is not None else i,
                              num_tokens=h["num_tokens"], num_layers=h["num_layers"], top_k=h["top_k"],
                              num_experts=h["num_experts"], token_start=h["token_start"],
@@ -247,14 +248,6 @@ class RankPlace:
         stage = pipeline_layers(layer_map.num_layers, pp_size, pp_rank, vpp_size, vpp_rank,
                                 first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
         return cls(layers=tuple(layer_map.moe_in(stage)), **ranks)
-
-
-def _natural_dtype(num_experts: int, buffer) -> np.dtype:
-    """The dtype ``wire.decode`` returns for this record without ``out`` (read from a one-row decode)."""
-    h = _header(buffer)
-    if h["num_tokens"] == 0:
-        return np.dtype(np.uint8 if num_experts <= 255 else np.uint16 if num_experts <= 65535 else np.int32)
-    return wire.decode(buffer, tokens=slice(h["token_start"], h["token_start"] + 1), layers=slice(0, 1)).dtype
 
 
 def _runs(keys: np.ndarray) -> list[tuple[int, int]]:
@@ -416,7 +409,7 @@ def rank_routing(refs: Sequence[RouteRef], place: RankPlace, *, layer_map: Layer
 
     buffers = _get(refs, timeout)
     headers = [_check_object(buf, r) for buf, r in zip(buffers, refs)]
-    out_dtype = np.dtype(dtype) if dtype is not None else _natural_dtype(refs[0].num_experts, buffers[0])
+    out_dtype = np.dtype(dtype) if dtype is not None else wire.dtype_for(refs[0].num_experts)
     if out_dtype.kind not in "iu":
         raise TypeError(f"routing ids are integers, got dtype {out_dtype}")
     sentinel = sentinel_of(out_dtype)
