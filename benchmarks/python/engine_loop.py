@@ -34,6 +34,8 @@ for its copy stream's worker). Prints one JSON line per (api, mode, scenario):
   minflt_per_step             minor page faults of the engine's thread in the library's calls of a
                               step (plan, begin_step, end_step; the drop-in's post-forward call),
                               median over the timed steps (_mean: their mean)
+  host_memory_growth          per-request storage: superblocks of row memory taken ready from its
+                              worker, and mapped on the engine's thread in a step (whole run)
   correct                     every request's [T, L, K] equals the ids its forward produced
 
 Usage:
@@ -415,6 +417,9 @@ def run(api, mode, name, steps, warm, cuda):
                minflt_per_step=med(faults), minflt_per_step_mean=round(statistics.fmean(faults), 1) if faults else None)
     if replay_steps:
         out.update(plan_us=med(plan_t), begin_us=med(begin_t), end_us=med(end_t))
+    native = getattr(drv.replay, "_native", None)
+    if native is not None and hasattr(native, "host_memory_growth"):  # an earlier tree has no such figure
+        out["host_memory_growth"] = dict(native.host_memory_growth)
     return out
 
 
