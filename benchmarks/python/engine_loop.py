@@ -446,7 +446,7 @@ def main():
                          "the next step does not schedule is extracted and released before it (an engine's finish: "
                          "prefill_8k's four requests of each step finish in the next one)")
     ap.add_argument("--host-memory-ahead", type=int, default=None,
-                    help="per-request storage: bytes mapped ahead by a worker thread (default: one step's rows)")
+                    help="per-request storage: bytes mapped ahead by a worker thread (default: two steps' rows)")
     ARGS = ap.parse_args()
     cuda = (ARGS.device or ("cuda" if rr.cuda_available() else "cpu")) != "cpu"
     modes = (ARGS.modes or ("eager,graph" if cuda else "eager")).split(",")
