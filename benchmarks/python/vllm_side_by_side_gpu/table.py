@@ -104,7 +104,9 @@ def main(path: str, dropin: str | None = None) -> None:
             if r.get("bench") != "python_engine_loop":
                 continue
             g = r.get("host_memory_growth") or {}
-            print(f"| {r['api']} {r['scenario']} {r['mode']} | finished at the {r.get('finish', 'end')} "
+            ahead = r.get("host_memory_ahead")
+            ahead = f", {ahead >> 20} MiB ahead" if ahead else ""
+            print(f"| {r['api']} {r['scenario']} {r['mode']} | finished at the {r.get('finish', 'end')}{ahead} "
                   f"| {r.get('round', 1)} | {r['host_us']} | {r.get('minflt_per_step')}, {r.get('minflt_per_step_mean')} "
                   f"| {g.get('superblocks_ahead', '-')} / {g.get('superblocks_in_step', '-')} | {r['correct']} |")
 
