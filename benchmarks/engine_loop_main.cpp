@@ -50,7 +50,7 @@ options (LIST: comma-separated names, or all):
                         the router kernel recording through the device reference (no extra
                         launch) (default: capture)
   --host-memory-ahead N bytes of per-request row memory kept mapped ahead of need by the library's
-                        worker (replay_config::host_memory_ahead; default -1: one step's rows;
+                        worker (replay_config::host_memory_ahead; default -1: two steps' rows;
                         0: none). The prefill scenario keeps every request to the end, so each
                         step needs 6.3 MB of new rows: one step ahead cannot keep up with steps
                         shorter than mapping them takes

@@ -35,7 +35,7 @@ struct loop_options {
   std::int64_t max_model_len = 4096;
   std::int32_t hidden        = 0;     ///< stand-in GEMM [n, H] x [H, H] per layer; 0: none
   std::int32_t decode_steps  = 64;
-  /// @brief replay_config::host_memory_ahead (-1: the library's default, one step's rows).
+  /// @brief replay_config::host_memory_ahead (-1: the library's default, two steps' rows).
   std::int64_t host_memory_ahead = -1;
   bool sync_forward          = false; ///< synchronize the forward before end_step()
   /// @brief How the forward hands routing to the library: "capture" (capture() after each router,

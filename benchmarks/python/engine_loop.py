@@ -34,6 +34,8 @@ for its copy stream's worker). Prints one JSON line per (api, mode, scenario):
   minflt_per_step             minor page faults of the engine's thread in the library's calls of a
                               step (plan, begin_step, end_step; the drop-in's post-forward call),
                               median over the timed steps (_mean: their mean)
+  host_memory_growth          per-request storage: superblocks of row memory taken ready from its
+                              worker, and mapped on the engine's thread in a step (whole run)
   correct                     every request's [T, L, K] equals the ids its forward produced
 
 Usage:
@@ -358,6 +360,7 @@ def run(api, mode, name, steps, warm, cuda):
 
     plan_t, begin_t, end_t, host_t, cap_t, step_t, done, reqs, faults = [], [], [], [], [], [], {}, [], []
     finished = []  # (request, its length, its rows, extraction us)
+    last_step = {r: si for si, sched in enumerate(steps) for (r, _, _) in sched}
     for si, sched in enumerate(steps):
         n = fwd.set_batch(sched)
         if graph and si >= warm and n not in graphs:
@@ -388,10 +391,9 @@ def run(api, mode, name, steps, warm, cuda):
         for (r, p, t) in sched:
             done[r] = p + t
         if ARGS.finish == "next" and api in ("replay", "dropin") and si + 1 < len(steps):
-            # requests the next step does not schedule finish now, between steps, as an engine
-            # finishes them: extracted (and released), so that new requests reuse their storage
-            later = {r for (r, _, _) in steps[si + 1]}
-            for r in [r for r in done if r not in later]:
+            # requests no later step schedules finish now, between steps, as an engine finishes
+            # them: extracted (and released), so that new requests reuse their storage
+            for r in [r for r in done if last_step[r] == si]:
                 sync()
                 length = done.pop(r)
                 finished.append((r, length, *drv.extract(r, length)))
@@ -415,6 +417,9 @@ def run(api, mode, name, steps, warm, cuda):
                minflt_per_step=med(faults), minflt_per_step_mean=round(statistics.fmean(faults), 1) if faults else None)
     if replay_steps:
         out.update(plan_us=med(plan_t), begin_us=med(begin_t), end_us=med(end_t))
+    native = getattr(drv.replay, "_native", None)
+    if native is not None and hasattr(native, "host_memory_growth"):  # an earlier tree has no such figure
+        out["host_memory_growth"] = dict(native.host_memory_growth)
     return out
 
 
@@ -438,10 +443,10 @@ def main():
                          "same objects every step (as vLLM's input batch keeps them)")
     ap.add_argument("--finish", default="end", choices=("end", "next"),
                     help="end: every request extracted after the last step (storage only grows); next: a request "
-                         "the next step does not schedule is extracted and released before it (an engine's finish: "
-                         "prefill_8k's four requests of each step finish in the next one)")
+                         "no later step schedules is extracted and released before the next step (an engine's "
+                         "finish: prefill_8k's four requests of each step finish before the next one)")
     ap.add_argument("--host-memory-ahead", type=int, default=None,
-                    help="per-request storage: bytes mapped ahead by a worker thread (default: one step's rows)")
+                    help="per-request storage: bytes mapped ahead by a worker thread (default: two steps' rows)")
     ARGS = ap.parse_args()
     cuda = (ARGS.device or ("cuda" if rr.cuda_available() else "cpu")) != "cpu"
     modes = (ARGS.modes or ("eager,graph" if cuda else "eager")).split(",")

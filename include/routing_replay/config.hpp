@@ -39,9 +39,11 @@ struct replay_config {
   /// @brief Per-request storage: bytes of host row memory a background thread keeps mapped,
   /// faulted in and (device scatter) registered ahead of need, so that a step of new requests takes
   /// memory that is ready instead of mapping fresh pages on the engine's thread (a prefill step of
-  /// 8192 new rows spent 2.5 to 3.3 ms of begin_step() there on the H200). -1, the default: one full
-  /// step's rows, max_tokens_per_step * L * K * sizeof(index), rounded up to the store's superblocks;
-  /// 0: no thread, memory is mapped on demand. What is kept ahead is not counted as in use, and stays
+  /// 8192 new rows spent 2.5 to 3.3 ms of begin_step() there on the H200). -1, the default: two full
+  /// steps' rows, 2 * max_tokens_per_step * L * K * sizeof(index), rounded up to the store's
+  /// superblocks (a step of new requests takes one step's worth while the thread still makes the
+  /// last one's again); 0: no thread, memory is mapped on demand. host_memory_growth() says whether
+  /// a step had to map memory itself. What is kept ahead is not counted as in use, and stays
   /// bounded by this amount. Block-slot storage (whose rows are allocated up front): bytes of
   /// per-request position metadata (24 bytes a position, in pages of 512) made when the store is
   /// built, which released requests' pages return to; -1: two full steps of new positions.
@@ -49,6 +51,15 @@ struct replay_config {
   /// @brief Preemption with recompute: false keeps the first routing recorded for a position
   /// (it produced the sampled token); true keeps the latest.
   bool overwrite_recomputed_rows = false;
+};
+
+/// @brief How per-request storage's row memory grew (RoutingReplay::host_memory_growth()): in
+/// superblocks, mapped, faulted in and registered either ahead of need by the background thread
+/// (replay_config::host_memory_ahead) or, when none was ready, on the engine's thread in a step.
+struct host_memory_growth {
+  std::uint64_t superblocks_ahead   = 0;  ///< taken ready from the background thread
+  std::uint64_t superblocks_in_step = 0;  ///< mapped by the engine's thread itself (none was ready)
+  std::size_t superblock_bytes      = 0;  ///< bytes of one superblock (0: storage without them)
 };
 
 }  // namespace routing_replay

@@ -63,7 +63,7 @@ class Replay:
         block_size, num_blocks: KV blocks (``block_slot`` storage).
         host_memory_limit: cap on host bytes of stored rows (None: no cap).
         host_memory_ahead: per-request storage: host bytes a worker thread keeps mapped and faulted
-            in ahead of need, so steps of new requests do not map fresh pages (None: one full step's
+            in ahead of need, so steps of new requests do not map fresh pages (None: two full steps'
             rows; 0: no thread); block-slot storage: bytes of position metadata (24 a position) made
             when built, which released requests' pages return to (None: two steps of positions).
         overwrite_recomputed_rows: preemption: keep the latest routing of a position, not the first.

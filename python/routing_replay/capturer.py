@@ -55,8 +55,8 @@ class RoutedExpertsCapturer:
         index, layout, copy: routing_replay policies (defaults: ``int16``, ``layer_major``,
             ``device_scatter``: no host work per row on the engine's thread); storage is per request.
         host_memory_limit: cap on host bytes of stored rows.
-        host_memory_ahead: host bytes a worker thread keeps mapped ahead of need (None: one step's
-            rows; 0: none).
+        host_memory_ahead: host bytes a worker thread keeps mapped ahead of need (None: two full
+            steps' rows; 0: none).
     """
 
     def __init__(

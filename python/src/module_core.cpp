@@ -135,6 +135,17 @@ NB_MODULE(_core, m)
          nb::call_guard<nb::gil_scoped_release>(),
          "Blocks until the host row memory kept ahead of need is mapped and registered.")
     .def_prop_ro("live_views", [](const rp::replay_handle& h) { return h.live_views; })
+    .def_prop_ro("host_memory_growth",
+                 [](const rp::replay_handle& h) {
+                   const rr::host_memory_growth g = h.impl->host_memory_growth();
+                   nb::dict d;
+                   d["superblocks_ahead"]   = g.superblocks_ahead;
+                   d["superblocks_in_step"] = g.superblocks_in_step;
+                   d["superblock_bytes"]    = g.superblock_bytes;
+                   return d;
+                 },
+                 "Per-request storage: superblocks of row memory taken ready from the background thread, and "
+                 "mapped on the engine's thread in a step (none was ready).")
     .def("layer_slot", [](const rp::replay_handle& h, std::int32_t layer) { return h.impl->layer_slot(layer); })
     .def("hold_stream", [](rp::replay_handle& h, rr::host_stream& s) { h.hold_stream(nb::find(&s)); },
          "Host backend: keeps a stream alive with the replay, which waits for it before it is destroyed.");

@@ -153,6 +153,8 @@ class replay_base {
   [[nodiscard]] virtual std::size_t num_requests() const noexcept = 0;
   /// @brief RoutingReplay::wait_for_host_memory_ahead().
   virtual void wait_for_host_memory_ahead() const = 0;
+  /// @brief RoutingReplay::host_memory_growth().
+  [[nodiscard]] virtual routing_replay::host_memory_growth host_memory_growth() const noexcept = 0;
   /// @brief RoutingReplay::layer_slot().
   [[nodiscard]] virtual std::int32_t layer_slot(std::int32_t model_layer) const = 0;
 

@@ -84,6 +84,10 @@ class replay_impl final : public replay_base {
   [[nodiscard]] std::size_t steps_in_flight() const noexcept override { return replay_.steps_in_flight(); }
   [[nodiscard]] std::size_t num_requests() const noexcept override { return replay_.num_requests(); }
   void wait_for_host_memory_ahead() const override { replay_.wait_for_host_memory_ahead(); }
+  [[nodiscard]] routing_replay::host_memory_growth host_memory_growth() const noexcept override
+  {
+    return replay_.host_memory_growth();
+  }
   [[nodiscard]] std::int32_t layer_slot(std::int32_t model_layer) const override
   {
     return replay_.layer_slot(model_layer);

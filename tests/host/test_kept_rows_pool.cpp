@@ -1,7 +1,12 @@
 // kept_rows_pool: slices of pre-faulted memory (no page fault on the taking thread once the pool
 // is filled), extents reused once their slices are let go, growth past the budget made by the
 // filling thread, extents past the budget given back, a filling thread that fails, and releases
-// from several threads at once (host_schedule_tests runs this file under ThreadSanitizer).
+// from several threads at once (host_schedule_tests runs this file under ThreadSanitizer). And
+// per-request storage's growth: superblocks made ahead, and counted where a step made its own.
+#include <routing_replay/config.hpp>
+#include <routing_replay/detail/per_request_store.hpp>
+#include <routing_replay/detail/row_arena.hpp>
+#include <routing_replay/detail/row_memory.hpp>
 #include <routing_replay/kept_rows_pool.hpp>
 
 #include <doctest/doctest.h>
@@ -73,6 +78,7 @@ TEST_CASE("kept_rows_pool: slices of a filled pool are aligned, disjoint and fau
   CHECK(filled.extents_in_step == 0);
 
   std::vector<rr::kept_rows_pool<>::slice> slices;
+  slices.reserve(8);  // the test's own memory, before counting
   const long before = thread_minflt();
   for (std::size_t bytes : {100u, 393216u, 1u, 700000u, 65536u, 1000000u, 3000u}) {
     slices.push_back(pool.take(bytes));
@@ -117,15 +123,15 @@ TEST_CASE("kept_rows_pool: a consumer that keeps past the budget makes the filli
   rr::kept_rows_pool<> pool{{.extent_bytes = mib, .budget_bytes = 2 * mib, .ahead_bytes = 2 * mib}};
   pool.wait_until_filled();
   std::vector<rr::kept_rows_pool<>::slice> kept;
-  for (int step = 0; step < 40; ++step) {  // 20 MiB kept, ten times the budget, at a step's pace
+  for (int step = 0; step < 40; ++step) {  // 20 MiB kept, ten times the budget
     kept.push_back(pool.take(mib / 2));
     std::memset(kept.back().data, 1, kept.back().bytes);
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    pool.wait_until_filled();  // a step long enough for the filling thread to catch up
   }
   auto s = pool.stats();
   CHECK(s.size_bytes >= 20 * mib);
   CHECK(s.extents_over_budget > 0);
-  CHECK(s.extents_in_step == 0);  // the filling thread kept ahead at this pace
+  CHECK(s.extents_in_step == 0);  // the filling thread kept ahead
   CHECK(s.high_water_bytes >= 20 * mib);
   for (const auto& k : kept) { pool.release(k); }
   CHECK(eventually([&] { return pool.stats().size_bytes <= 4 * mib; }));  // the budget and what is kept ahead
@@ -201,4 +207,44 @@ TEST_CASE("kept_rows_pool: slices let go on other threads while the taking threa
   const auto s = pool.stats();
   CHECK(s.in_use_bytes == 0);
   CHECK(s.slices == steps);
+}
+
+// Per-request storage's growth (detail::row_arena, what request_ranges grows from): superblocks made
+// ahead by its worker are what a step of new requests takes; one with nothing ready maps its own,
+// and host_memory_growth() says so.
+
+TEST_CASE("row_arena: a step of new requests takes superblocks made ahead, and growth() counts where each came from")
+{
+  const std::size_t page = rr::detail::kept_pool::page_bytes();
+  rr::detail::row_arena<rr::detail::host_written_rows> arena{4 * page, 4, 2 * (4 * page << 4)};
+  arena.wait_until_ahead();
+  const auto a = arena.allocate(4);
+  const auto b = arena.allocate(4);
+  auto g = arena.growth();
+  CHECK(g.superblock_bytes == (4 * page << 4));
+  CHECK(g.superblocks_ahead == 2);
+  CHECK(g.superblocks_in_step == 0);
+  std::vector<rr::detail::row_arena<rr::detail::host_written_rows>::block> burst;
+  for (int i = 0; i < 16; ++i) { burst.push_back(arena.allocate(4)); }  // faster than the worker makes them
+  g = arena.growth();
+  CHECK(g.superblocks_ahead + g.superblocks_in_step == 18);
+  for (const auto& s : burst) { arena.release(s); }
+  arena.release(a);
+  arena.release(b);
+  CHECK(arena.bytes_in_use() == 0);
+}
+
+TEST_CASE("per-request storage keeps two full steps of new rows ahead by default")
+{
+  rr::replay_config c;
+  c.max_tokens_per_step = 64;
+  c.max_model_len       = 256;
+  c.moe_layers          = {0, 1};
+  c.top_k               = 2;
+  c.num_experts         = 8;
+  rr::detail::per_request_store<std::int16_t> store{c, 4};
+  store.wait_until_ahead();
+  const auto g = store.growth();
+  CHECK(g.superblock_bytes > 0);
+  CHECK(g.superblocks_in_step == 0);
 }

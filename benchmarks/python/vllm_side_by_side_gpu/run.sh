@@ -5,7 +5,7 @@
 # (default 2), every line tagged with its round: the side by side with outputs dropped (every
 # scenario) and kept until each request finishes (decode B1 to B1024, prefill 8k), and the PR 39917
 # drop-in and Replay (engine_loop.py, eager: prefill 8k with requests kept to the end and finished in
-# the next step, decode B64 and B1024). Files under $OUT (default build/vllm_side_by_side):
+# the next step, decode B64 and B1024; prefill 8k kept to the end with 64 MiB of row memory ahead). Files under $OUT (default build/vllm_side_by_side):
 # machine.txt, tests.log, side_by_side.jsonl, dropin.jsonl, table.md.
 # Usage (repository root): OUT=... ROUNDS=2 benchmarks/python/vllm_side_by_side_gpu/run.sh
 set -uo pipefail
@@ -41,6 +41,9 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     python3 benchmarks/python/engine_loop.py --device cuda --api dropin,replay --modes eager --finish "$finish" \
       --scenarios decode_B64,decode_B1024,prefill_8k | tag "$round" >>"$out/dropin.jsonl"
   done
+  # the same growth with the run's row memory (8 steps of 6 MiB) made ahead at start-up: the budget case
+  python3 benchmarks/python/engine_loop.py --device cuda --api dropin,replay --modes eager --finish end \
+    --host-memory-ahead $((64 << 20)) --scenarios prefill_8k | tag "$round" >>"$out/dropin.jsonl"
   echo "round $round done at $(( $(date +%s) - start )) s"
 done
 python3 "$here/table.py" "$out/side_by_side.jsonl" "$out/dropin.jsonl" | tee "$out/table.md"

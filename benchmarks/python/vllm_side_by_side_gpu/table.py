@@ -97,14 +97,18 @@ def main(path: str, dropin: str | None = None) -> None:
     if dropin:
         print()
         print("| drop-in (engine_loop.py) | requests | round | host path us median | page faults per step, "
-              "engine thread (median, mean) | exact |")
-        print("|---|---|---|---|---|---|")
+              "engine thread (median, mean) | superblocks ready / mapped in a step | exact |")
+        print("|---|---|---|---|---|---|---|")
         for line in open(dropin):
             r = json.loads(line)
             if r.get("bench") != "python_engine_loop":
                 continue
-            print(f"| {r['api']} {r['scenario']} {r['mode']} | {r.get('finish', 'kept')} | {r.get('round', 1)} "
-                  f"| {r['host_us']} | {r.get('minflt_per_step')}, {r.get('minflt_per_step_mean')} | {r['correct']} |")
+            g = r.get("host_memory_growth") or {}
+            ahead = r.get("host_memory_ahead")
+            ahead = f", {ahead >> 20} MiB ahead" if ahead else ""
+            print(f"| {r['api']} {r['scenario']} {r['mode']} | finished at the {r.get('finish', 'end')}{ahead} "
+                  f"| {r.get('round', 1)} | {r['host_us']} | {r.get('minflt_per_step')}, {r.get('minflt_per_step_mean')} "
+                  f"| {g.get('superblocks_ahead', '-')} / {g.get('superblocks_in_step', '-')} | {r['correct']} |")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,16 @@ class host_side {
   /// mapping it on the step's path. Returns at once for block-slot storage (its pool is allocated
   /// when the replay is built) and where nothing is kept ahead. Safe from any thread.
   void wait_for_host_memory_ahead() const { filer_.store().wait_until_ahead(); }
+  /// @brief How per-request storage's row memory grew (superblocks made ahead by the background
+  /// thread, and made on the engine's thread in a step); zeros for block-slot storage.
+  [[nodiscard]] routing_replay::host_memory_growth host_memory_growth() const noexcept
+  {
+    if constexpr (requires { filer_.store().growth(); }) {
+      return filer_.store().growth();
+    } else {
+      return {};
+    }
+  }
   /// @brief The captured index (layer slot) of a model layer.
   /// @throws error unknown_layer if the layer map does not capture it.
   [[nodiscard]] std::int32_t layer_slot(std::int32_t model_layer) const { return filer_.layers().slot(model_layer); }

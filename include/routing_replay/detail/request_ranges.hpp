@@ -177,6 +177,9 @@ class request_ranges {
   /// mapped, faulted in and registered.
   void wait_until_ahead() const { arena_.wait_until_ahead(); }
 
+  /// @brief How the row memory grew: superblocks made ahead and taken, and made in a step.
+  [[nodiscard]] host_memory_growth growth() const noexcept { return arena_.growth(); }
+
   /// @brief Bytes of rows held (segments of live requests, and of closed ones still in flight).
   [[nodiscard]] std::size_t bytes_in_use() const noexcept { return arena_.bytes_in_use() - parked_bytes_; }
   /// @brief The host memory limit.
@@ -412,12 +415,13 @@ class request_ranges {
     std::uint64_t last_claim;  // released once every step up to it has been filed
   };
 
-  // Bytes of row memory the arena keeps ready (config.host_memory_ahead; by default a full step of
-  // new rows).
+  // Bytes of row memory the arena keeps ready (config.host_memory_ahead; by default two full steps
+  // of new rows: with one, a step of new requests emptied the ready list, and the next found the
+  // worker still making its memory and mapped its own)
   static std::size_t bytes_ahead(const replay_config& config, std::size_t row_bytes)
   {
     return config.host_memory_ahead >= 0 ? static_cast<std::size_t>(config.host_memory_ahead)
-                                         : static_cast<std::size_t>(config.max_tokens_per_step) * row_bytes;
+                                         : 2 * static_cast<std::size_t>(config.max_tokens_per_step) * row_bytes;
   }
 
   // The smallest segment: a page multiple of at least 16 rows.

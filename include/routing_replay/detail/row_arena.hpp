@@ -6,6 +6,7 @@
 /// moves a row, and neither the host nor a kernel ever copies rows to grow. Linux (memfd).
 #pragma once
 
+#include <routing_replay/config.hpp>
 #include <routing_replay/errors.hpp>
 
 #include <sys/mman.h>
@@ -88,7 +89,9 @@ class row_arena {
       blocks_out_(std::exchange(other.blocks_out_, 0)),
       in_use_(std::exchange(other.in_use_, 0)),
       provision_(std::move(other.provision_)),
-      worker_(std::move(other.worker_))
+      worker_(std::move(other.worker_)),
+      taken_ready_(std::exchange(other.taken_ready_, 0)),
+      made_here_(std::exchange(other.made_here_, 0))
   {
   }
   row_arena& operator=(row_arena&& other) noexcept
@@ -104,6 +107,8 @@ class row_arena {
     std::swap(in_use_, other.in_use_);
     std::swap(provision_, other.provision_);
     std::swap(worker_, other.worker_);
+    std::swap(taken_ready_, other.taken_ready_);
+    std::swap(made_here_, other.made_here_);
     return *this;
   }
   row_arena(const row_arena&)            = delete;
@@ -138,6 +143,11 @@ class row_arena {
   [[nodiscard]] int max_order() const noexcept { return max_order_; }
   /// @brief Bytes of blocks handed out and not released.
   [[nodiscard]] std::size_t bytes_in_use() const noexcept { return in_use_; }
+  /// @brief Superblocks taken ready from the worker and mapped by the allocating thread itself.
+  [[nodiscard]] host_memory_growth growth() const noexcept
+  {
+    return {taken_ready_, made_here_, superblock_bytes()};
+  }
   /// @brief Blocks until the worker holds every superblock it keeps ahead, or has ended (a refused
   /// mapping: the engine's thread then maps its own); returns at once without a worker.
   void wait_until_ahead() const
@@ -321,7 +331,9 @@ class row_arena {
     }
     if (made.at != nullptr) {
       provision_->wake.notify_one();  // make the next one
+      ++taken_ready_;
     } else {
+      ++made_here_;  // on this (the engine's) thread: its page faults and registration are the step's
       void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(made.offset));
       if (at == MAP_FAILED) { throw_system_error("mmap of a row superblock"); }
       try {
@@ -356,6 +368,8 @@ class row_arena {
   std::size_t in_use_ = 0;
   std::unique_ptr<provisioning> provision_;     // shared with the worker
   std::thread worker_;                          // keeps superblocks ready; none without `ahead`
+  std::uint64_t taken_ready_ = 0;               // superblocks the worker made that were taken
+  std::uint64_t made_here_   = 0;               // superblocks the allocating thread made itself
 };
 
 }  // namespace routing_replay::detail
