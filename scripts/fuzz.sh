@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Fuzzes the library's public calls for SECONDS seconds (default 60): builds the libFuzzer harness
+# Fuzzes the library's public calls for SECONDS seconds (default 60), a sixth of them the block
+# tier (tests/fuzz/fuzz_block_tier.cpp) and a sixth the route record's decoder
+# (tests/fuzz/fuzz_route_record.cpp, seed corpus tests/fuzz/corpus_route_record): builds the libFuzzer harness
 # tests/fuzz/fuzz_replay.cpp with clang (-fsanitize=fuzzer,address,undefined) in build/fuzz, runs
 # every regression input once, then fuzzes from the seed corpus (which it first runs whole, within
 # the time given). New inputs go to build/fuzz/corpus; to refresh the seed corpus:
@@ -18,19 +20,21 @@ cd "$(dirname "$0")/.."
 . scripts/common.sh
 seconds=${1:-60}
 shift || true
-apt_install cmake ninja-build clang libclang-rt-14-dev doctest-dev
+apt_install cmake ninja-build clang libclang-rt-14-dev doctest-dev libzstd-dev
 
 cxx=$(command -v clang++ || command -v clang++-14)
 echo "== build: libFuzzer harness ($("$cxx" --version | head -n 1))"
 cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g" \
   -DROUTING_REPLAY_BUILD_FUZZER=ON -DROUTING_REPLAY_ENABLE_CUDA=OFF -DROUTING_REPLAY_BUILD_EXAMPLES=OFF \
   -DROUTING_REPLAY_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build/fuzz -j "$(build_jobs)" --target fuzz_replay fuzz_block_tier
+cmake --build build/fuzz -j "$(build_jobs)" --target fuzz_replay fuzz_block_tier fuzz_route_record
 fuzzer=build/fuzz/tests/fuzz_replay
-mkdir -p build/fuzz/corpus build/fuzz/findings build/fuzz/corpus_block_tier
-# the block tier's harness (tests/fuzz/fuzz_block_tier.cpp) gets a sixth of the time, the replay the rest
+mkdir -p build/fuzz/corpus build/fuzz/findings build/fuzz/corpus_block_tier build/fuzz/corpus_route_record
+# the block tier's harness (tests/fuzz/fuzz_block_tier.cpp) gets a sixth of the time, the route
+# record's decoder (tests/fuzz/fuzz_route_record.cpp) another sixth, the replay the rest
 tier_seconds=$(( seconds / 6 > 5 ? seconds / 6 : 5 ))
-seconds=$(( seconds - tier_seconds > 5 ? seconds - tier_seconds : 5 ))
+record_seconds=$tier_seconds
+seconds=$(( seconds - tier_seconds - record_seconds > 5 ? seconds - tier_seconds - record_seconds : 5 ))
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0
 export UBSAN_OPTIONS=print_stacktrace=1
@@ -54,6 +58,20 @@ if [ "$status" -eq 0 ]; then
   if [ "$status" -ne 0 ]; then
     grep -E 'contract violation|ERROR: |runtime error|SUMMARY' "$tier_log" | head -n 20 || true
     echo "FINDING: the input is in build/fuzz/findings/; reproduce with: build/fuzz/tests/fuzz_block_tier build/fuzz/findings/<file>"
+    exit "$status"
+  fi
+fi
+if [ "$status" -eq 0 ]; then
+  echo "== route record: fuzzing for ${record_seconds}s"
+  record_log=build/fuzz/last_run_route_record.log
+  build/fuzz/tests/fuzz_route_record -max_total_time="$record_seconds" -len_control=0 -max_len=2048 -timeout=30 \
+    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ \
+    build/fuzz/corpus_route_record tests/fuzz/corpus_route_record >"$record_log" 2>&1 || status=$?
+  record_execs=$(grep -E '^stat::number_of_executed_units' "$record_log" | awk '{print $2}' || true)
+  echo "fuzz (route record): ${record_execs:-?} executions"
+  if [ "$status" -ne 0 ]; then
+    grep -E 'contract violation|ERROR: |runtime error|what\(\)|SUMMARY' "$record_log" | head -n 20 || true
+    echo "FINDING: the input is in build/fuzz/findings/; reproduce with: build/fuzz/tests/fuzz_route_record build/fuzz/findings/<file>"
     exit "$status"
   fi
 fi

@@ -28,7 +28,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
-apt_install cmake ninja-build g++ doctest-dev libbenchmark-dev doxygen clang libclang-rt-14-dev
+apt_install cmake ninja-build g++ doctest-dev libbenchmark-dev doxygen clang libclang-rt-14-dev libzstd-dev
 pip_install numpy numpy
 # each step's header says when it started, so that CI's time can be read step by step
 stage() { echo "== $* [${SECONDS} s]"; }

@@ -27,6 +27,7 @@ enum class errc {
   invalid_argument,        ///< a malformed call argument (null pointer, stride shorter than K, ...)
   backend_error,           ///< the CUDA runtime (or the host backend) reported a failure
   invalid_packet,          ///< a step packet that is truncated, corrupted, of another version or shape, or not this step's
+  invalid_record,          ///< a route record that is truncated, corrupted, of an unknown version or codec, past the limits, or holds ids >= E
 };
 
 /// @brief Exception thrown by every host-side operation of the library.

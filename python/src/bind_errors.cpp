@@ -34,6 +34,7 @@ const char* errc_name(errc code) noexcept
     case errc::draft_error: return "draft_error";
     case errc::invalid_argument: return "invalid_argument";
     case errc::invalid_packet: return "invalid_packet";
+    case errc::invalid_record: return "invalid_record";
     case errc::backend_error: return "backend_error";
   }
   return "unknown";
