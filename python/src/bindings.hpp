@@ -161,4 +161,7 @@ void bind_capture(nb::class_<replay_handle>& native);
 /// (to_npy, base64_encode, array_info).
 void bind_extraction(nb::module_& m, nb::class_<replay_handle>& native);
 
+/// routing_replay._core._wire: the route record's encoder, decoder and header (wire/bind_wire.cpp).
+void bind_wire(nb::module_& m);
+
 }  // namespace routing_replay::python

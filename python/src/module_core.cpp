@@ -61,6 +61,7 @@ NB_MODULE(_core, m)
   m.doc() = "routing_replay host backend and the classes shared by every backend (see routing_replay)";
 
   rp::bind_errors(m);
+  rp::bind_wire(m);
 
   nb::dict dtypes;
   for (int d = 0; d <= static_cast<int>(rp::dtype_code::u64); ++d) {

@@ -75,7 +75,7 @@ class combinatorial_table {
   /// @brief The rank of K ids; std::nullopt where two are equal (not a set). Ids are < E.
   [[nodiscard]] std::optional<uint128> rank(const std::uint16_t* ids) const noexcept
   {
-    std::uint16_t sorted[64];
+    std::uint16_t sorted[64] = {};  // K <= 64; zeroed for the compiler, which cannot see that bound
     std::copy(ids, ids + k_, sorted);
     std::sort(sorted, sorted + k_);
     uint128 r = 0;
