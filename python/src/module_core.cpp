@@ -157,5 +157,6 @@ NB_MODULE(_core, m)
         "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a.none() = nb::none(),
         "staging"_a = false, "Creates a host-backend replay (internal: use routing_replay.Replay).");
   rp::bind_slot_rows(m);         // routing_replay.sglang
+  rp::bind_records(native);      // route records from storage (after SlotRows, which it extends)
   rp::register_vllm_streams(m);  // routing_replay.vllm
 }
