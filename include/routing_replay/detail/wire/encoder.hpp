@@ -342,7 +342,7 @@ class route_record_encoder {
       if (options_.codec == route_codec::zstd_columns) {
         const std::uint32_t planes = w::column_planes(header_.num_experts);
         columns_.resize(ids * planes);
-        w::to_columns(stage_.data(), tokens, row_ids_, planes, columns_.data());
+        w::to_columns(stage_.data(), tokens, header_.num_layers, header_.top_k, planes, columns_.data());
         in      = columns_.data();
         in_size = columns_.size();
       }

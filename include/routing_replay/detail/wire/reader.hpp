@@ -274,10 +274,19 @@ class route_record_reader {
     const std::size_t per_token = std::size_t{nl} * K;
     if (index_[c].codec == route_codec::zstd_columns) {
       const std::uint32_t planes = w::column_planes(h_.num_experts), n = h_.tokens_in_chunk(c);
-      for (std::uint32_t t = a; t < b; ++t) {
-        std::uint16_t* row = ids + (t - a) * per_token;
-        for (std::size_t i = 0; i < per_token; ++i) {
-          row[i] = w::column_id(data, n, std::size_t{L} * K, planes, t, std::size_t{layer_begin} * K + i);
+      // layer by layer: a layer's rows [a, b) are one contiguous run of the column form
+      const std::size_t plane = std::size_t{n} * L * K;
+      for (std::uint32_t l = 0; l < nl; ++l) {
+        const std::size_t first_id = (std::size_t{layer_begin + l} * n + a) * K;
+        const auto* lo = reinterpret_cast<const unsigned char*>(data) + first_id;
+        const auto* hi = lo + plane;
+        for (std::uint32_t t = a; t < b; ++t, lo += K, hi += K) {
+          std::uint16_t* dst = ids + (t - a) * per_token + std::size_t{l} * K;
+          if (planes == 1) {
+            for (std::uint32_t k = 0; k < K; ++k) { dst[k] = lo[k]; }
+          } else {
+            for (std::uint32_t k = 0; k < K; ++k) { dst[k] = static_cast<std::uint16_t>(lo[k] | (hi[k] << 8)); }
+          }
         }
       }
     } else if (h_.order_free()) {

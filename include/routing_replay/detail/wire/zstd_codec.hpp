@@ -1,8 +1,10 @@
 /// @file
 /// The compressing codecs of a chunk: zstd over the packed bytes, and zstd over the ids transposed
-/// to columns. Routing is persistent along a column (one layer's k-th choice, token after token)
-/// far more than along a row, and byte-aligned planes let zstd's matcher and entropy coder see that
-/// persistence; the bit-packed stream hides it behind a 7-bit phase that shifts every byte.
+/// to columns, one per captured layer (its entries token after token). Routing persists along a
+/// layer's column (an entry repeats the previous token's) and each layer has its own popular
+/// experts; in a layer's column those repeats are short-distance matches and the popular ids sit
+/// together, both of which zstd codes cheaply, in byte-aligned planes that the packed stream's
+/// 7-bit phase would hide.
 /// Where libzstd is not compiled in (ROUTING_REPLAY_WIRE_HAS_ZSTD == 0) the same functions exist
 /// and say so, so that callers need no #if of their own.
 #pragma once
@@ -32,27 +34,24 @@ inline constexpr bool zstd_available = ROUTING_REPLAY_WIRE_HAS_ZSTD != 0;
   return num_experts <= 256 ? 1u : 2u;
 }
 
-/// @brief Transposes ids [tokens][columns] (columns = L * K) into byte planes [plane][column][token].
-inline void to_columns(const std::uint16_t* ids, std::size_t tokens, std::size_t columns, std::uint32_t planes,
-                       std::byte* out) noexcept
+/// @brief Transposes a chunk's ids [tokens][L][K] to the column form [plane][L][tokens][K]: each
+/// captured layer's entries token after token, one byte an id (two planes, low bytes then high
+/// bytes, where E > 256). An entry that repeats the previous token's is then K equal bytes K bytes
+/// back, and a layer's popular experts sit together: the two structures routing has.
+inline void to_columns(const std::uint16_t* ids, std::size_t tokens, std::size_t layers, std::size_t top_k,
+                       std::uint32_t planes, std::byte* out) noexcept
 {
-  const std::size_t plane = tokens * columns;
+  const std::size_t plane = tokens * layers * top_k;
   for (std::size_t t = 0; t < tokens; ++t) {
-    const std::uint16_t* row = ids + t * columns;
-    for (std::size_t c = 0; c < columns; ++c) {
-      out[c * tokens + t] = static_cast<std::byte>(row[c] & 0xff);
-      if (planes == 2) { out[plane + c * tokens + t] = static_cast<std::byte>(row[c] >> 8); }
+    for (std::size_t l = 0; l < layers; ++l) {
+      const std::uint16_t* entry = ids + (t * layers + l) * top_k;
+      std::byte* dst             = out + (l * tokens + t) * top_k;
+      for (std::size_t k = 0; k < top_k; ++k) {
+        dst[k] = static_cast<std::byte>(entry[k] & 0xff);
+        if (planes == 2) { dst[plane + k] = static_cast<std::byte>(entry[k] >> 8); }
+      }
     }
   }
-}
-
-/// @brief The id of token t, column c in the column form of a chunk of `tokens` tokens.
-[[nodiscard]] inline std::uint16_t column_id(const std::byte* planes_data, std::size_t tokens, std::size_t columns,
-                                             std::uint32_t planes, std::size_t t, std::size_t c) noexcept
-{
-  auto v = static_cast<std::uint16_t>(planes_data[c * tokens + t]);
-  if (planes == 2) { v |= static_cast<std::uint16_t>(static_cast<std::uint16_t>(planes_data[tokens * columns + c * tokens + t]) << 8); }
-  return v;
 }
 
 #if ROUTING_REPLAY_WIRE_HAS_ZSTD
