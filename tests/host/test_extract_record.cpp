@@ -2,7 +2,8 @@
 // and host storage, and for slot_rows pools, the record from storage is byte for byte the record
 // encoded from the extracted array (sentinel rows as missing) with the first position and layer map
 // of the read; slices, missing rows (prefix hits, stale blocks, slots no step wrote), chunk
-// boundaries, the order-free form, and what a record from storage refuses.
+// boundaries, the order-free form, the zstd codecs (where libzstd is linked), and what a record from
+// storage refuses.
 #include "../support/policy_combinations.hpp"
 #include "../support/small_replay.hpp"
 
@@ -79,12 +80,23 @@ void check_records_equal_encoded_extractions()
     std::int64_t start, end;
   };
   for (const slice sl : {slice{0, -1}, slice{3, 9}, slice{0, 2}, slice{5, 5}, slice{8, 14}, slice{13, -1}, slice{1, 7}}) {
-    for (const auto& [ordered, chunk] : {std::pair{true, 256u}, std::pair{true, 3u}, std::pair{false, 4u}}) {
+    struct form {
+      bool ordered;
+      std::uint32_t chunk;
+      rr::route_codec codec;
+    };
+    std::vector<form> forms{{true, 256, rr::route_codec::packed}, {true, 3, rr::route_codec::packed},
+                            {false, 4, rr::route_codec::packed}};
+    if constexpr (rr::route_record_has_zstd) {  // the compressing codecs, where the build links libzstd
+      forms.push_back({true, 5, rr::route_codec::zstd});
+      forms.push_back({true, 256, rr::route_codec::zstd_columns});
+    }
+    for (const auto& [ordered, chunk, codec] : forms) {
       CAPTURE(sl.start);
       CAPTURE(sl.end);
       CAPTURE(chunk);
       const rr::extract_options options{.start_position = sl.start, .end_position = sl.end};
-      const rr::route_record_options record{.ordered = ordered, .chunk_tokens = chunk};
+      const rr::route_record_options record{.codec = codec, .ordered = ordered, .chunk_tokens = chunk};
       const auto rows = s.rr().extract(1, options);
       rr::route_record_options expected_options = record;
       expected_options.token_start             = sl.start;
