@@ -19,6 +19,11 @@ namespace detail {
 struct piece_probe {
   void operator()(std::int16_t*, std::int64_t) const noexcept {}
 };
+/// @brief Takes the runs for_each_run() hands over, to check a store offers it.
+struct run_probe {
+  void operator()(const std::int16_t*, std::int64_t) const noexcept {}
+  void operator()(std::int64_t) const noexcept {}
+};
 }  // namespace detail
 
 /// @brief Each request owns one contiguous, lazily grown range of rows at its positions.
@@ -63,9 +68,9 @@ using host_store = typename Storage::template store<
 /// @brief A host-storage policy: names a store that opens and closes requests, validates and
 /// reserves ahead of the scatter (so filing never fails), files rows (claim/unclaim/erase, by step
 /// serial, readable once filed), tells kernels where rows go (device_pieces), serves them
-/// (contiguous/read/read_rows), accounts its bytes against the memory limit and waits for the
-/// memory it keeps ready ahead of need (wait_until_ahead); and says whether
-/// row addresses stay fixed while rows are in flight.
+/// (contiguous/read/read_rows, and for_each_run where they lie), accounts its bytes against the
+/// memory limit and waits for the memory it keeps ready ahead of need (wait_until_ahead); and says
+/// whether row addresses stay fixed while rows are in flight.
 template <class S>
 concept host_storage = requires(typename S::template store<std::int16_t>& store,
                                 const typename S::template store<std::int16_t>& cstore,
@@ -99,6 +104,7 @@ concept host_storage = requires(typename S::template store<std::int16_t>& store,
   { store.contiguous(h, position, position) } -> std::same_as<const std::int16_t*>;
   { cstore.read(h, position, row) } -> std::same_as<bool>;
   cstore.read_rows(h, position, position, row);
+  store.for_each_run(h, position, position, detail::run_probe{}, detail::run_probe{});
   { cstore.bytes_in_use() } -> std::convertible_to<std::size_t>;
   { cstore.limit() } -> std::convertible_to<std::size_t>;
   cstore.wait_until_ahead();

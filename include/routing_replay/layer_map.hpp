@@ -57,6 +57,12 @@ class layer_map {
     return s;
   }
 
+  /// @brief The model layer of a layer slot in [0, num_layers()) (no check).
+  [[nodiscard]] std::int32_t model_layer(std::int32_t slot) const noexcept
+  {
+    return moe_layers_[static_cast<std::size_t>(slot)];
+  }
+
   /// @brief "layer 7 (slot 3)": how messages name a layer slot.
   [[nodiscard]] std::string describe(std::int32_t slot) const
   {

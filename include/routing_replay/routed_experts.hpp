@@ -29,6 +29,12 @@ struct extract_options {
   bool include_dense_layers = false;
 };
 
+/// @brief Positions [first_position, end_position) of a request that a read covered.
+struct row_range {
+  std::int64_t first_position = 0;  ///< the first position
+  std::int64_t end_position   = 0;  ///< one past the last
+};
+
 /// @brief A request's routing: T rows of [layers, K] expert ids, row t being position
 /// first_position() + t. Missing rows (never recorded, or stale) hold the sentinel.
 ///

@@ -55,6 +55,8 @@ class slot_rows {
   using buffer_type = capture_buffer<Backend, Index, Layout>;
 
  public:
+  /// @brief The stored id type.
+  using index_type = Index;
   /// @brief Stream handle taken by every call that enqueues work.
   using stream_ref = typename Backend::stream_ref;
   /// @brief Trivially copyable device reference for an engine's own top-k kernel.
@@ -241,6 +243,24 @@ class slot_rows {
   void read_base64(std::span<const Slot> slots, char* chars, const slot_read_options& options = {}) const
   {
     reader_.template read_base64<Out>(slots, chars, options);
+  }
+
+  /// @brief Hands the rows at `slots` over where they lie in the pool, without copying them, with
+  /// the layers of run_layers() (ids K apart in a layer; see detail::slot_rows_reader::for_each_run),
+  /// from the pool as it is: the engine first waits for the steps that may write them.
+  /// @throws error slot_out_of_range, missing_routing (a row with routing for some layers only)
+  template <std::integral Slot, class Rows, class Missing>
+  void for_each_run(std::span<const Slot> slots, Rows&& rows, Missing&& missing, const slot_read_options& options = {}) const
+  {
+    reader_.for_each_run(slots, options, rows, missing);
+  }
+  /// @brief The model layers for_each_run() hands over, in order: those captured so far (all of the
+  /// pool's while none is).
+  [[nodiscard]] std::vector<std::int32_t> run_layers() const
+  {
+    std::vector<std::int32_t> model_layers;
+    for (const std::int32_t s : reader_.run_layers()) { model_layers.push_back(buffer_.layers().model_layer(s)); }
+    return model_layers;
   }
 
   /// @brief Characters of read_base64() for `rows` rows.

@@ -25,6 +25,7 @@ from . import _arrays, _core
 from ._core import Config, Error, HostStream, StepPlan
 from ._native import (COPY_STRATEGIES, INDEX_TYPES, LAYOUTS, STORAGES, _cuda_device, _parse_device,
                       _policy_error, _usable_cuda)
+from ._record import record_options
 from ._wire import sentinel
 
 _replay_ids = itertools.count(1)
@@ -303,7 +304,8 @@ class Replay:
         prompt_length: int | None = None,
         include_dense_layers: bool = False,
         copy: bool = False,
-    ) -> np.ndarray:
+        record=False,
+    ) -> np.ndarray | bytes:
         """A request's routing, rows ``[start_position, end_position)``, as a numpy ``[T, L, K]`` array.
 
         With ``per_request`` storage the array is a read-only zero-copy view of the storage (unless
@@ -312,8 +314,22 @@ class Replay:
         ``BufferError``: delete the views, or extract with ``copy=True``. Other extractions are owned
         copies. Missing rows hold :attr:`sentinel`. ``end_position`` clips (default: the recorded
         length); ``include_dense_layers`` returns every model layer, dense ones as the sentinel.
+
+        ``record`` (off by default): the same rows as a route record (docs/wire.md), ``bytes``
+        encoded from the storage where the rows lie, without the array: its ``token_start`` is
+        ``start_position``, its layer map the replay's ``moe_layers``, its E and K the replay's, rows never
+        recorded (or stale) missing rows; ``routing_replay.wire.decode`` reads it back. ``True``
+        for the packed codec, a codec name (``"zstd"``), or a dict of ``codec``, ``ordered``,
+        ``chunk_tokens``, ``zstd_level``. Not with ``include_dense_layers`` or ``copy``.
         """
         end = -1 if end_position is None else end_position
+        options = record_options(record)
+        if options is not None:
+            if include_dense_layers or copy:
+                raise ValueError("extract(record=...) writes the captured layers from storage: include_dense_layers "
+                                 "and copy do not apply")
+            return self._native.extract_record(request_id, start_position, end, options.codec, options.ordered,
+                                               options.chunk_tokens, options.zstd_level, False)
         prompt = -1 if prompt_length is None else prompt_length
         if copy and self._kept is not None and not include_dense_layers:
             view = self._native.extract(request_id, start_position, end, prompt, False, False)

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from . import _arrays
+from ._core import base64_encode
+from ._record import record_options
 from ._replay import Replay, _live, _replay_ids, _torch_capture_op
 from ._wire import sentinel
 
@@ -180,15 +182,29 @@ class RoutedExpertsCapturer:
 
     # ---- results ------------------------------------------------------------------------------
 
-    def get_routed_experts(self, req_id, seqlen: int | None = None, free_slot: bool = True) -> np.ndarray | None:
+    def get_routed_experts(self, req_id, seqlen: int | None = None, free_slot: bool = True, *,
+                           record=False) -> np.ndarray | bytes | None:
         """The request's routing as a numpy ``[T, L, K]`` array (an independent copy), its first
         ``seqlen`` rows when given; None for an unknown request or one with no rows. ``free_slot``
-        releases the request afterwards. Rows never recorded hold the index type's sentinel."""
+        releases the request afterwards. Rows never recorded hold the index type's sentinel.
+
+        ``record`` (off by default; as :meth:`routing_replay.Replay.extract`'s): the same rows as a
+        route record, ``bytes`` written straight from storage (first position 0, the capturer's
+        ``moe_layers``, E ``num_experts``; rows never recorded missing), which
+        ``routing_replay.wire.decode`` reads back."""
+        if record_options(record) is not None:
+            return self._finished(req_id, seqlen, free_slot,
+                                  lambda end: self._replay.extract(req_id, 0, end, record=record))
         return self._finished(req_id, seqlen, free_slot, lambda end: self._replay.extract(req_id, 0, end, copy=True))
 
-    def get_routed_experts_base64(self, req_id, seqlen: int | None = None, free_slot: bool = True) -> str | None:
+    def get_routed_experts_base64(self, req_id, seqlen: int | None = None, free_slot: bool = True, *,
+                                  record=False) -> str | None:
         """As :meth:`get_routed_experts`, as vLLM's ``routed_experts`` field (base64 of a ``.npy``),
-        written straight from storage without a numpy copy."""
+        written straight from storage without a numpy copy; with ``record``, base64 of the route
+        record in the field's place (decode it with ``routing_replay.wire.decode(base64.b64decode(field))``)."""
+        if record_options(record) is not None:
+            return self._finished(req_id, seqlen, free_slot, lambda end: base64_encode(
+                self._replay.extract(req_id, 0, end, record=record)))
         return self._finished(req_id, seqlen, free_slot, lambda end: self._replay.extract_base64_npy(req_id, 0, end))
 
     def _finished(self, req_id, seqlen, free_slot, read):

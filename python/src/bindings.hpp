@@ -160,6 +160,9 @@ void bind_capture(nb::class_<replay_handle>& native);
 /// Registers NativeReplay's extractions and block transfers, and the module's wire-format functions
 /// (to_npy, base64_encode, array_info).
 void bind_extraction(nb::module_& m, nb::class_<replay_handle>& native);
+/// Registers the route records written from storage: NativeReplay.extract_record and, on the class
+/// bind_slot_rows() registered, SlotRows.read_record (bind_record.cpp).
+void bind_records(nb::class_<replay_handle>& native);
 
 /// routing_replay._core._wire: the route record's encoder, decoder and header (wire/bind_wire.cpp).
 void bind_wire(nb::module_& m);

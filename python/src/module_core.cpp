@@ -169,5 +169,6 @@ NB_MODULE(_core, m)
         "staging"_a = false, "Creates a host-backend replay (internal: use routing_replay.Replay).");
   rp::bind_kept(m);              // host memory faulted in ahead for copies a consumer keeps
   rp::bind_slot_rows(m);         // routing_replay.sglang
+  rp::bind_records(native);      // route records from storage (after SlotRows, which it extends)
   rp::register_vllm_streams(m);  // routing_replay.vllm
 }

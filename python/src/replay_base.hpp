@@ -97,6 +97,20 @@ struct id_array {
   std::int64_t row_stride = 0;       ///< elements between rows (>= K)
 };
 
+/// @brief Takes rows handed over where they lie in storage (for_each_row_run, slot_rows::for_each_run),
+/// with the element type erased: what the host compiler's code that writes a format from storage
+/// (a route record) receives from instantiations nvcc may have compiled.
+class row_run_sink {
+ public:
+  /// @brief n rows of the index type: id (t, l, k) at `first[t * token_stride + l * layer_stride + k]`.
+  virtual void rows(const void* first, std::int64_t n, std::int64_t token_stride, std::int64_t layer_stride) = 0;
+  /// @brief n positions without a row.
+  virtual void missing(std::int64_t n) = 0;
+
+ protected:
+  ~row_run_sink() = default;
+};
+
 /// @brief A request's routing as extracted: a view into host storage or an owned copy.
 struct extraction {
   const void* data          = nullptr;  ///< row-major [rows, layers, top_k] of the index type
@@ -172,6 +186,8 @@ class replay_base {
   virtual void accept_draft(request_key id, std::int32_t num_accepted) = 0;
   /// @brief RoutingReplay::extract().
   [[nodiscard]] virtual extraction extract(request_key id, const extract_options& options) = 0;
+  /// @brief RoutingReplay::for_each_row_run(), runs handed to `sink` (row_size() ids a row, K a layer).
+  virtual row_range for_each_row_run(request_key id, const extract_options& options, row_run_sink& sink) = 0;
   /// @brief RoutingReplay::release().
   virtual void release(request_key id) = 0;
   /// @brief RoutingReplay::abort().

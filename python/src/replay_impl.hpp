@@ -121,6 +121,15 @@ class replay_impl final : public replay_base {
     return e;
   }
 
+  row_range for_each_row_run(request_key id, const extract_options& options, row_run_sink& sink) override
+  {
+    const std::int64_t row = replay_.row_size();
+    const std::int64_t k   = replay_.top_k();
+    return replay_.for_each_row_run(
+      id, options, [&](const Index* rows, std::int64_t n) { sink.rows(rows, n, row, k); },
+      [&](std::int64_t n) { sink.missing(n); });
+  }
+
   void release(request_key id) override { replay_.release(id); }
   void abort(request_key id) override { replay_.abort(id); }
 

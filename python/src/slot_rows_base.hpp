@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace routing_replay::python {
 
@@ -56,6 +57,11 @@ class slot_rows_base {
   /// @brief slot_rows::read_base64() of int32 rows.
   virtual void read_base64_int32(const void* slots, dtype_code slot_dtype, std::size_t count, char* chars,
                                  const slot_read_options& options) const = 0;
+  /// @brief slot_rows::run_layers(): the model layers for_each_run() hands over.
+  [[nodiscard]] virtual std::vector<std::int32_t> run_layers() const = 0;
+  /// @brief slot_rows::for_each_run() from host slots of an integer type, runs handed to `sink`.
+  virtual void for_each_run(const void* slots, dtype_code slot_dtype, std::size_t count, row_run_sink& sink,
+                            const slot_read_options& options) const = 0;
 };
 
 /// @brief Makes one instantiation for a configuration.

@@ -90,6 +90,22 @@ class slot_rows_impl final : public slot_rows_base {
     });
   }
 
+  [[nodiscard]] std::vector<std::int32_t> run_layers() const override { return rows_.run_layers(); }
+
+  void for_each_run(const void* slots, dtype_code slot_dtype, std::size_t count, row_run_sink& sink,
+                    const slot_read_options& options) const override
+  {
+    visit_dtype(slot_dtype, [&](auto tag) {
+      using T = decltype(tag);
+      rows_.for_each_run(
+        std::span<const T>{static_cast<const T*>(slots), count},
+        [&](const Index* rows, std::int64_t n, std::int64_t token_stride, std::int64_t layer_stride) {
+          sink.rows(rows, n, token_stride, layer_stride);
+        },
+        [&](std::int64_t n) { sink.missing(n); }, options);
+    });
+  }
+
  private:
   slot_rows<Backend, Index, layer_major> rows_;
 };

@@ -188,6 +188,28 @@ class host_side {
     return end - begin;
   }
 
+  /// @brief Hands a request's rows [start_position, end_position) over where they lie in host
+  /// storage, in position order, without copying them: `on_rows(const Index* first, std::int64_t n)`
+  /// for n rows stored back to back (row_size() ids a row, top_k() ids a layer, captured layers
+  /// only), `on_missing(std::int64_t n)` for n positions without a row (never recorded, or stale).
+  /// The rows are valid during the call only. What a route record (extract_record.hpp) and any
+  /// other format written from storage are made of; files first what extract() files.
+  /// @return the positions handed over
+  /// @throws error as extract(), invalid_argument for include_dense_layers; what the callables throw
+  template <class OnRows, class OnMissing>
+  row_range for_each_row_run(request_key id, const extract_options& options, OnRows&& on_rows, OnMissing&& on_missing)
+  {
+    [[maybe_unused]] const auto inside = threads_.enter("for_each_row_run");
+    if (options.include_dense_layers) {
+      throw error{errc::invalid_argument, "request " + id.to_string() +
+                                            ": rows are handed over as stored, captured layers only; "
+                                            "include_dense_layers needs extract()"};
+    }
+    const auto [h, begin, end] = select_rows(id, options);
+    filer_.store().for_each_run(h, begin, end - begin, on_rows, on_missing);
+    return {begin, end};
+  }
+
   /// @brief Block-slot storage: files every step in flight, then copies the rows of whole KV blocks
   /// into `out` ([blocks.size() * block_size, L, K]; rows never recorded hold the sentinel), so
   /// they can follow their KV to another tier or instance (prefill/decode disaggregation).

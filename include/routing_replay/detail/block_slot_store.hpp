@@ -23,6 +23,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <utility>
 
 namespace routing_replay::detail {
 
@@ -256,15 +257,30 @@ class block_slot_store : public slot_pool<Index, RowMemory> {
   /// run of positions at consecutive slots (a KV block) is one copy.
   void read_rows(std::uint32_t h, std::int64_t first, std::int64_t count, Index* out) const
   {
+    for_each_run(
+      h, first, count,
+      [&](const Index* rows, std::int64_t n) noexcept {
+        std::memcpy(out, rows, static_cast<std::size_t>(n * row_elems_) * sizeof(Index));
+        out += n * row_elems_;
+      },
+      [&](std::int64_t n) noexcept { out = std::fill_n(out, n * row_elems_, index_traits<Index>::sentinel); });
+  }
+
+  /// @brief Hands rows [first, first + count) of `h` over where they lie, in position order:
+  /// `rows(first_row, n)` for n valid rows at consecutive slots (a KV block), `missing(n)` for n
+  /// positions without a valid row (never recorded, or stale). Copies nothing.
+  /// @throws what the callables throw
+  template <class Rows, class Missing>
+  void for_each_run(std::uint32_t h, std::int64_t first, std::int64_t count, Rows&& rows, Missing&& missing) const
+  {
     const std::int64_t mapped = positions_.size(h);
     const std::int64_t end    = first + count;
-    std::int64_t p        = first;
-    while (p < end) {
+    std::int64_t gap          = 0;  // missing positions not handed over yet: one call for a run of them
+    for (std::int64_t p = first; p < end;) {
       const slot_ref first_ref = p < mapped ? visible(positions_.at(h, p)) : slot_ref{};
       const Index* row         = valid_row(first_ref);
       if (row == nullptr) {
-        std::fill_n(out, row_elems_, index_traits<Index>::sentinel);
-        out += row_elems_;
+        ++gap;
         ++p;
         continue;
       }
@@ -274,10 +290,11 @@ class block_slot_store : public slot_pool<Index, RowMemory> {
         if (next.slot != first_ref.slot + run || valid_row(next) == nullptr) { break; }
         ++run;
       }
-      std::memcpy(out, row, static_cast<std::size_t>(run * row_elems_) * sizeof(Index));
-      out += run * row_elems_;
+      if (gap != 0) { missing(std::exchange(gap, 0)); }
+      rows(row, run);
       p += run;
     }
+    if (gap != 0) { missing(gap); }
   }
 
   /// @brief Copies the row of (`h`, `position`) to `out`; false if missing or stale.

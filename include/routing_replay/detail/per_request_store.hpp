@@ -233,6 +233,36 @@ class per_request_store : public request_ranges<Index, RowMemory> {
     return row_at(r, first);
   }
 
+  /// @brief Hands rows [first, first + count) of `h` over where they lie, in position order:
+  /// `rows(first_row, n)` for n recorded rows back to back, `missing(n)` for n positions without a
+  /// readable row (never recorded, a prefix-cache hit, or claimed by a step not filed yet). Unlike
+  /// contiguous(), it writes nothing into the rows, so a range with gaps is no reason to copy.
+  /// @throws what the callables throw; error host_memory_exhausted (as contiguous())
+  template <class Rows, class Missing>
+  void for_each_run(std::uint32_t h, std::int64_t first, std::int64_t count, Rows&& rows, Missing&& missing)
+  {
+    auto& r = rows_[h];
+    settle(r);
+    const auto claimed = std::min(first + count, static_cast<std::int64_t>(r.claimed_by.size()));
+    if (first < claimed) { host_view(r); }
+    const auto present = [&](std::int64_t p) {
+      if (p >= claimed) { return false; }
+      const std::uint64_t by = r.claimed_by[static_cast<std::size_t>(p)];
+      return by != 0 && readable(by);
+    };
+    for (std::int64_t p = first, end = first + count; p < end;) {
+      const bool here = present(p);
+      std::int64_t q  = p + 1;
+      while (q < end && present(q) == here) { ++q; }
+      if (here) {
+        rows(static_cast<const Index*>(row_at(r, p)), q - p);
+      } else {
+        missing(q - p);
+      }
+      p = q;
+    }
+  }
+
   /// @brief Copies rows [first, first + count) of `h` to `out`, the sentinel for missing ones.
   void read_rows(std::uint32_t h, std::int64_t first, std::int64_t count, Index* out) const
   {

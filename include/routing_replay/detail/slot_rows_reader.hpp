@@ -1,7 +1,7 @@
 /// @file
 /// The host side of slot_rows' reads: which layers a capture path was handed, and rows read back
 /// from the pool at a request's KV slots, widened, checked and, on request, written as base64 without
-/// the array in between.
+/// the array in between, or handed over where they lie (for a route record).
 #pragma once
 
 #include <routing_replay/detail/slot_rows_kernels.hpp>
@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace routing_replay {
@@ -108,6 +109,66 @@ class slot_rows_reader {
     }
   }
 
+  /// @brief The pool layers (slots) a read of rows where they lie covers: those captured so far,
+  /// or every pool layer while none is; in pool order.
+  [[nodiscard]] std::vector<std::int32_t> run_layers() const
+  {
+    std::vector<std::int32_t> slots;
+    for (std::int32_t s = 0; s < layers_.num_layers(); ++s) {
+      if (captured_[static_cast<std::size_t>(s)]) { slots.push_back(s); }
+    }
+    if (slots.empty()) {
+      for (std::int32_t s = 0; s < layers_.num_layers(); ++s) { slots.push_back(s); }
+    }
+    return slots;
+  }
+
+  /// @brief Hands the rows at `slots` over in order, with the layers of run_layers() only:
+  /// `rows(first, n, token_stride, layer_stride)` for n rows that hold routing (read in place, at
+  /// consecutive slots, where those layers are evenly spaced in the pool; else one at a time,
+  /// gathered here), `missing(n)` for n rows that hold none (slots no step wrote).
+  /// @throws error slot_out_of_range; missing_routing for a row with routing for some of those
+  /// layers and not others (read() refuses it too); what the callables throw
+  template <std::integral Slot, class Rows, class Missing>
+  void for_each_run(std::span<const Slot> slots, const slot_read_options& options, Rows&& rows, Missing&& missing) const
+  {
+    const std::vector<std::int32_t> layers = run_layers();
+    const std::int64_t k                   = top_k_;
+    const std::int64_t spacing             = layers.size() > 1 ? layers[1] - layers[0] : 1;
+    bool even                              = true;
+    for (std::size_t l = 1; l < layers.size(); ++l) { even = even && layers[l] - layers[l - 1] == spacing; }
+    std::vector<Index> gathered(even ? 0 : layers.size() * static_cast<std::size_t>(k));
+    const auto slot_at = [&](std::size_t i) { return checked_slot(slots, i, options); };
+    std::int64_t gap   = 0;  // rows without routing not handed over yet: one call for a run of them
+    for (std::size_t i = 0; i < slots.size();) {
+      const std::int64_t slot = slot_at(i);
+      const Index* row        = pool_ + slot * row_elems_;
+      if (!holds_routing(row, layers, slot, i, options)) {
+        ++gap;
+        ++i;
+        continue;
+      }
+      if (gap != 0) { missing(std::exchange(gap, 0)); }
+      if (!even) {
+        for (std::size_t l = 0; l < layers.size(); ++l) {
+          std::copy_n(row + layers[l] * k, k, gathered.data() + static_cast<std::int64_t>(l) * k);
+        }
+        rows(static_cast<const Index*>(gathered.data()), std::int64_t{1}, static_cast<std::int64_t>(gathered.size()), k);
+        ++i;
+        continue;
+      }
+      std::size_t run = 1;
+      while (i + run < slots.size() && slot_at(i + run) == slot + static_cast<std::int64_t>(run) &&
+             holds_routing(row + static_cast<std::int64_t>(run) * row_elems_, layers, slot + static_cast<std::int64_t>(run),
+                           i + run, options)) {
+        ++run;
+      }
+      rows(row + layers.front() * k, static_cast<std::int64_t>(run), row_elems_, spacing * k);
+      i += run;
+    }
+    if (gap != 0) { missing(gap); }
+  }
+
  private:
   [[nodiscard]] std::size_t out_row_elems() const noexcept
   {
@@ -120,15 +181,44 @@ class slot_rows_reader {
     return o.request + ", position " + std::to_string(o.first_position + static_cast<std::int64_t>(i));
   }
 
-  template <class Out, std::integral Slot>
-  void read_row(std::span<const Slot> slots, std::size_t i, Out* out, const slot_read_options& options) const
+  template <std::integral Slot>
+  [[nodiscard]] std::int64_t checked_slot(std::span<const Slot> slots, std::size_t i, const slot_read_options& options) const
   {
     const auto slot = static_cast<std::int64_t>(slots[i]);
     if (slot < 0 || slot >= num_slots_) {
       throw error{errc::slot_out_of_range, who(options, i) + " has KV slot " + std::to_string(slot) +
                                              ", outside the pool [0, " + std::to_string(num_slots_) + ")"};
     }
-    const Index* row = pool_ + slot * row_elems_;
+    return slot;
+  }
+
+  // Whether the pool row at `slot` holds routing for every layer of `layers` (true) or for none
+  // (false); a row with some of them only is refused as read() refuses it.
+  [[nodiscard]] bool holds_routing(const Index* row, const std::vector<std::int32_t>& layers, std::int64_t slot,
+                                   std::size_t i, const slot_read_options& options) const
+  {
+    const auto k            = static_cast<std::size_t>(top_k_);
+    std::int32_t first_gap  = -1;
+    std::size_t written     = 0;
+    for (const std::int32_t s : layers) {
+      const Index* cell = row + static_cast<std::size_t>(s) * k;
+      bool missing      = false;
+      for (std::size_t c = 0; c < k; ++c) { missing |= cell[c] == traits::sentinel; }
+      if (missing && first_gap < 0) { first_gap = s; }
+      written += missing ? 0 : 1;
+    }
+    if (first_gap < 0) { return true; }
+    if (written == 0) { return false; }
+    throw error{errc::missing_routing, who(options, i) + " (KV slot " + std::to_string(slot) + ") holds no routing for " +
+                                         layers_.describe(first_gap) + ", and routing for " + std::to_string(written) +
+                                         " other layer(s): a step wrote part of the row"};
+  }
+
+  template <class Out, std::integral Slot>
+  void read_row(std::span<const Slot> slots, std::size_t i, Out* out, const slot_read_options& options) const
+  {
+    const std::int64_t slot = checked_slot(slots, i, options);
+    const Index* row        = pool_ + slot * row_elems_;
     const auto k     = static_cast<std::size_t>(top_k_);
     for (std::int32_t m = 0; m < num_model_layers_; ++m, out += k) {
       const std::int32_t s = read_slot_[static_cast<std::size_t>(m)];

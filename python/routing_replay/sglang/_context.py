@@ -18,7 +18,7 @@ _engine: dict[str, Callable[..., Any]] = {}
 
 def set_engine_hooks(**hooks: Callable[..., Any]) -> None:
     """Replaces hooks by name: ``enabled()``, ``chunked_prefill_size()``, ``num_dp_ranks()``,
-    ``page_size()``, ``unsupported()`` (a reason, or None)."""
+    ``page_size()``, ``unsupported()`` (a reason, or None), ``record()`` (the route record asked for)."""
     _engine.update(hooks)
 
 
@@ -51,6 +51,18 @@ def fused_shared_experts(model) -> int:
     if config is not None:
         return int(config.num_fused_shared_experts)
     return int(getattr(model, "num_fused_shared_experts", 0) or 0)
+
+
+def record():
+    """The route record ``create()`` asks its capturer for: ``ROUTING_REPLAY_SGLANG_RECORD`` in the
+    environment (unset: none, SGLang's int32 field), or the engine's own answer where a hook gives one."""
+    hook = _engine.get("record")
+    if hook is not None:
+        return hook()
+    from .._record import from_environment
+    from .install import RECORD_ENV
+
+    return from_environment(RECORD_ENV)
 
 
 def check_supported() -> None:

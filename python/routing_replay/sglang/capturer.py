@@ -39,6 +39,7 @@ except ImportError:  # the stdlib module has the same b64 functions
     import base64 as _b64
 
 from .. import _arrays, _core, _live, _replay_ids, _torch_capture_op
+from .._record import record_options
 from .. import _cuda_device, _parse_device, _usable_cuda
 from .._replay import _kept_pool_for
 from . import _context
@@ -144,6 +145,9 @@ class RoutedExpertsCapturer:
         fused_scatter_max_rows: steps of at most this many rows (64) are stored by the end-of-step
             kernel itself, on the compute stream: one launch and one event record per step, where a
             scattered step takes two launches, two records and a stream wait. 0: never.
+        record: what ``get_topk`` and ``get_topk_base64`` return by default: None or False, SGLang's
+            int32 rows; else a route record, as their ``record`` argument takes it. ``create``
+            passes what ``ROUTING_REPLAY_SGLANG_RECORD`` asks for (docs/engines.md).
     """
 
     @staticmethod
@@ -159,12 +163,13 @@ class RoutedExpertsCapturer:
             num_fused_shared_experts=_context.fused_shared_experts(model),
             device=device,
             page_size=_context.page_size(),
+            record=_context.record(),
         )
 
     def __init__(self, model_config, num_tokens: int, max_running_requests: int, num_fused_shared_experts: int,
                  device, *, num_experts: int | None = None, max_batch_size: int | None = None, page_size: int = 1,
                  layers=None, index: str | None = None, steps_in_flight: int = 4,
-                 scatter_on_compute_stream: bool = False, fused_scatter_max_rows: int = 64) -> None:
+                 scatter_on_compute_stream: bool = False, fused_scatter_max_rows: int = 64, record=None) -> None:
         _context.check_supported()
         text = model_config.hf_text_config
         self.num_fused_shared_experts = num_fused_shared_experts
@@ -176,6 +181,9 @@ class RoutedExpertsCapturer:
                 raise ValueError(f"model_config.hf_text_config names no expert count ({', '.join(EXPERT_COUNT_ATTRIBUTES)}):"
                                  " pass num_experts=")
         self.num_experts = int(num_experts)
+        self._record = record_options(record)
+        if self._record is not None:
+            _quiet_row_count_check()
         self._device_width = self.topk_size + num_fused_shared_experts
         self._routed_width = self.topk_size
         config = _core.SlotRowsConfig()
@@ -322,17 +330,28 @@ class RoutedExpertsCapturer:
             slots = slots.cpu()
         return slots, start_len
 
-    def get_topk(self, req_pool_idx: int, seqlen: int, req_to_token_pool, start_len: int = 0):
+    def get_topk(self, req_pool_idx: int, seqlen: int, req_to_token_pool, start_len: int = 0, *, record=None):
         """The request's routing: int32 ``[seqlen - 1 - start_len, L, K]`` on the CPU (a torch
         tensor; numpy where torch is absent), read at ``req_to_token[req_pool_idx][start_len:seqlen-1]``
         as SGLang does. Waits for the steps the engine has finished with, no later one.
 
+        ``record`` (default: the capturer's ``record``; off unless asked for): the same rows as a
+        route record written straight from the pool, a 1-D uint8 tensor (numpy without torch) of its
+        bytes, so that SGLang's detokenizer, which sends base64 of the tensor's bytes, sends base64
+        of the record. Its first position is the first one read, its layer map the layers captured
+        (dense layers are left out, where the int32 rows hold 0), a slot no step wrote a missing row.
+        ``True``, a codec name or a dict, as :meth:`routing_replay.Replay.extract` takes it.
+
         Raises:
             ValueError: a negative ``start_len``.
             routing_replay.Error: a slot outside the pool (``slot_out_of_range``), or a captured layer
-                with no routing at a slot (``missing_routing``), named by request pool index,
-                position and slot."""
+                with no routing at a slot (``missing_routing``; with ``record``, a slot with routing
+                for some captured layers only), named by request pool index, position and slot."""
         slots, first = self._request_slots(req_pool_idx, seqlen, req_to_token_pool, start_len)
+        options = self._record_of(record)
+        if options is not None:
+            out = self._read_record(slots, first, req_pool_idx, options, True)
+            return self._torch.from_numpy(out) if self._torch is not None else out
         shape = (int(slots.shape[0]), self.num_layers, self.topk_size)
         array = self._kept.array(shape, "int32")
         out = self._torch.from_numpy(array) if self._torch is not None else array  # shares the slice
@@ -345,12 +364,25 @@ class RoutedExpertsCapturer:
         ``connector.kept_pool``)."""
         return self._kept.stats
 
-    def get_topk_base64(self, req_pool_idx: int, seqlen: int, req_to_token_pool, start_len: int = 0) -> str:
+    def get_topk_base64(self, req_pool_idx: int, seqlen: int, req_to_token_pool, start_len: int = 0, *,
+                        record=None) -> str:
         """SGLang's ``routed_experts`` field for the request, byte for byte: base64 of the int32 bytes
         of :meth:`get_topk`'s array (what SGLang's detokenizer sends), written straight from the pool
-        into the str, without the array."""
+        into the str, without the array; with ``record`` (as :meth:`get_topk`), base64 of the route
+        record, the field a client decodes with ``routing_replay.wire.decode(base64.b64decode(field))``."""
         slots, first = self._request_slots(req_pool_idx, seqlen, req_to_token_pool, start_len)
+        options = self._record_of(record)
+        if options is not None:
+            return _core.base64_encode(self._read_record(slots, first, req_pool_idx, options, False))
         return self._native.read_base64(slots, first, f"request pool index {int(req_pool_idx)}", 0, self._visible)
+
+    def _record_of(self, record):
+        return self._record if record is None else record_options(record)
+
+    def _read_record(self, slots, first: int, req_pool_idx: int, options, as_array: bool):
+        return self._native.read_record(slots, first, f"request pool index {int(req_pool_idx)}", self._visible,
+                                        options.codec, options.ordered, options.chunk_tokens, options.zstd_level,
+                                        as_array)
 
     def destroy(self) -> None:
         """Frees the pool (after the steps in flight); the capturer is unusable afterwards."""
@@ -384,6 +416,25 @@ class RoutedExpertsCapturer:
                 f"{self._native.index_dtype}, slots={self._native.config.num_slots})")
 
 
+#: SGLang 0.5.23's logger that warns when get_topk's tensor has not seqlen - 1 - start_len rows.
+ROW_COUNT_LOGGER = "sglang.srt.managers.scheduler_components.batch_result_processor"
+
+
+class _RecordRowCount(logging.Filter):
+    """Drops SGLang's row-count warning, which a route record (its bytes, not its rows) always
+    trips: the record states its own T, and the library checked the rows it read."""
+
+    def filter(self, entry: logging.LogRecord) -> bool:
+        return not str(entry.msg).startswith("routed_experts row-count mismatch")
+
+
+def _quiet_row_count_check() -> None:
+    """Installs :class:`_RecordRowCount` on SGLang's scheduler logger, once a process."""
+    target = logging.getLogger(ROW_COUNT_LOGGER)
+    if not any(isinstance(f, _RecordRowCount) for f in target.filters):
+        target.addFilter(_RecordRowCount())
+
+
 # ---- the module functions SGLang imports from routed_experts.py ----------------------------------
 
 _global_capturer: list = [None]
@@ -406,10 +457,21 @@ def destroy_global_experts_capturer() -> None:
     _global_capturer[0] = None
 
 
+#: The first bytes of every route record (docs/wire.md).
+RECORD_MAGIC = b"RROUTE\r\n"
+
+
 def extract_routed_experts_from_meta_info(data):
-    """The flat int32 array of a response's ``meta_info["routed_experts"]`` (base64 of int32 bytes)."""
+    """The flat int32 array of a response's ``meta_info["routed_experts"]`` (base64 of int32 bytes).
+
+    Raises ValueError for a field that holds a route record (a server with
+    ``ROUTING_REPLAY_SGLANG_RECORD`` set), which ``routing_replay.wire.decode`` reads instead."""
     encoded = data["meta_info"].get("routed_experts", None)
-    return np.frombuffer(_b64.b64decode(encoded.encode("utf-8")), dtype=np.int32)
+    raw = _b64.b64decode(encoded.encode("utf-8"))
+    if raw[: len(RECORD_MAGIC)] == RECORD_MAGIC:
+        raise ValueError("meta_info['routed_experts'] holds a route record, not int32 rows: decode it with "
+                         "routing_replay.wire.decode(base64.b64decode(field))")
+    return np.frombuffer(raw, dtype=np.int32)
 
 
 def disable_routed_experts_capture_for_draft(model) -> None:

@@ -11,7 +11,8 @@ that one module, as soon as it is imported (an import hook) or at once if it alr
 - SGLang's own class's ``create`` builds ours, for any module that imported the class before.
 
 SGLang's global get/set/destroy functions stay (they keep whatever capturer they are given), and so
-does its wire format. SGLang runs its scheduler and model workers in spawned processes, which a
+does its wire format, unless :data:`RECORD_ENV` asks for route records (then ``get_topk`` returns a
+record's bytes, which SGLang's detokenizer base64-encodes into the field as it does the int32 rows). SGLang runs its scheduler and model workers in spawned processes, which a
 patch here does not reach: :mod:`routing_replay.sglang.launch_server` sets ``ROUTING_REPLAY_SGLANG=1``
 and puts ``routing_replay/sglang/_site`` on ``PYTHONPATH``, whose ``sitecustomize`` calls
 :func:`install` in every process started from it.
@@ -26,6 +27,9 @@ import sys
 TARGET = "sglang.srt.state_capturer.routed_experts"
 #: Set to "1" in the environment, every Python process started from it installs ours.
 ENV_FLAG = "ROUTING_REPLAY_SGLANG"
+#: Set to "1" (or a codec: "zstd", "zstd_columns") as well, ``meta_info["routed_experts"]`` is base64
+#: of a route record (docs/engines.md, "A route record in the field") instead of SGLang's int32 rows.
+RECORD_ENV = "ROUTING_REPLAY_SGLANG_RECORD"
 
 
 def install() -> None:
