@@ -121,7 +121,8 @@ void check_records_equal_encoded_extractions()
     }
   }
   // positions 0, 1 are missing in both storages; 8..11 are stale with block-slot storage
-  const rr::route_record_reader whole{rr::extract_record(s.rr(), 1)};
+  const std::vector<std::byte> record = rr::extract_record(s.rr(), 1);
+  const rr::route_record_reader whole{record};
   CHECK(whole.missing_rows() == (block_slot ? 6u : 2u));
   CHECK_FALSE(whole.row_present(0));
   CHECK(whole.row_present(2));

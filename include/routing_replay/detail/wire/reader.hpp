@@ -51,6 +51,8 @@ class route_record_reader {
   /// @throws error invalid_record naming what is wrong: truncated, trailing bytes, bad magic,
   /// unknown version, flag or codec, an extent past the limits, a checksum mismatch, an index whose
   /// chunks do not tile the payload
+  /// @brief Not from a temporary vector: the reader keeps a view of the bytes, which would dangle.
+  explicit route_record_reader(std::vector<std::byte>&&) = delete;
   explicit route_record_reader(std::span<const std::byte> record) : bytes_(record)
   {
     namespace w = detail::wire;
