@@ -17,6 +17,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string>
@@ -218,27 +219,32 @@ class route_record_encoder {
     const std::uint32_t K = header_.top_k, E = header_.num_experts;
     std::uint16_t* out = stage_.data() + std::size_t{staged_} * row_ids_;
     bool bad = false;
-    if (layer_stride == static_cast<std::ptrdiff_t>(K)) {  // a contiguous row: one flat loop
-      // the largest id as unsigned (negatives become huge) in fixed blocks of 32, which the
-      // compiler vectorizes even at -O2 (its cheap cost model refuses a loop that needs an epilogue)
-      using U = std::make_unsigned_t<Id>;
-      U top = 0;
+    if (layer_stride == static_cast<std::ptrdiff_t>(K)) {  // a contiguous row: flat loops
+      // The conversion, then the range check as a min and a max in Id itself (a negative id of a
+      // signed type must never alias a valid one through the narrowing). Separate loops in fixed
+      // blocks of 32 are what g++ vectorizes at -O2 (its cheap cost model refuses a loop that
+      // needs an epilogue, or one that stores and reduces at once).
+      if constexpr (sizeof(Id) == sizeof(std::uint16_t)) {
+        std::memcpy(out, row, row_ids_ * sizeof(Id));  // the same bits: negatives fail the check below
+      } else {
+        for (std::size_t i = 0; i < row_ids_; ++i) { out[i] = static_cast<std::uint16_t>(row[i]); }
+      }
+      Id lo = row[0], hi = row[0];
       std::size_t i = 0;
       for (; i + 32 <= row_ids_; i += 32) {
-        U m = 0;
+        Id bl = row[i], bh = row[i];
         for (std::size_t j = 0; j < 32; ++j) {
-          const auto v = static_cast<U>(row[i + j]);
-          m = v > m ? v : m;
-          out[i + j] = static_cast<std::uint16_t>(v);
+          bl = row[i + j] < bl ? row[i + j] : bl;
+          bh = row[i + j] > bh ? row[i + j] : bh;
         }
-        top = m > top ? m : top;
+        lo = bl < lo ? bl : lo;
+        hi = bh > hi ? bh : hi;
       }
       for (; i < row_ids_; ++i) {
-        const auto v = static_cast<U>(row[i]);
-        top = v > top ? v : top;
-        out[i] = static_cast<std::uint16_t>(v);
+        lo = row[i] < lo ? row[i] : lo;
+        hi = row[i] > hi ? row[i] : hi;
       }
-      bad = static_cast<std::uint64_t>(top) >= E;
+      bad = lo < 0 || static_cast<std::uint64_t>(hi) >= E;
     } else {
       stage_strided(row, layer_stride, out, bad);
     }
@@ -261,10 +267,10 @@ class route_record_encoder {
     for (std::uint32_t l = 0; l < L; ++l) {
       const Id* ids = row + static_cast<std::ptrdiff_t>(l) * layer_stride;
       for (std::uint32_t k = 0; k < K; ++k) {
-        // one unsigned compare catches negatives too; the branch-free OR keeps the loop vectorizable
-        const auto v = static_cast<std::make_unsigned_t<Id>>(ids[k]);
-        bad |= static_cast<std::uint64_t>(v) >= E;
-        out[l * K + k] = static_cast<std::uint16_t>(v);
+        // negatives become huge through the signed widening, so one unsigned compare catches both
+        const auto v = static_cast<std::uint64_t>(static_cast<std::int64_t>(ids[k]));
+        bad |= v >= E;
+        out[l * K + k] = static_cast<std::uint16_t>(ids[k]);
       }
     }
   }
