@@ -149,16 +149,34 @@ class route_record_encoder {
   /// @return the record's size in bytes
   std::size_t finish_into(std::vector<std::byte>& buffer)
   {
-    namespace w = detail::wire;
+    buffer.resize(finished_size());
+    return finish_into(std::span<std::byte>{buffer});
+  }
+
+  /// @brief The size the record will have when finished now (it packs the partial chunk).
+  [[nodiscard]] std::size_t finished_size()
+  {
     if (staged_ > 0) { flush_chunk(); }
+    return header_bytes_for(static_cast<std::uint32_t>(chunks_.size())) + payload_.size();
+  }
+
+  /// @brief Writes the record into `out`, which holds exactly finished_size() bytes (a Python
+  /// bytes object, a pinned buffer, ...), and starts the next one.
+  /// @throws error invalid_argument where `out` has another size (nothing is written then)
+  std::size_t finish_into(std::span<std::byte> out)
+  {
+    namespace w = detail::wire;
+    if (out.size() != finished_size()) {
+      throw error{errc::invalid_argument, "route_record_encoder: " + std::to_string(out.size()) +
+                                            " bytes to finish into, the record has " + std::to_string(finished_size())};
+    }
     header_.num_tokens   = rows_;
     header_.num_chunks   = static_cast<std::uint32_t>(chunks_.size());
     header_.missing_rows = missing_;
     header_.flags        = (header_.flags & ~w::flag_has_missing) | (missing_ > 0 ? w::flag_has_missing : 0u);
     header_.payload_bytes = payload_.size();
     header_.record_bytes  = header_.payload_offset() + payload_.size();
-    buffer.resize(header_.record_bytes);
-    std::byte* p = buffer.data();
+    std::byte* p = out.data();
     std::byte* q = p + w::header_bytes;
     for (const std::uint32_t layer : options_.layer_map) { w::store_le<std::uint32_t>(q, layer); q += 4; }
     for (const w::chunk_entry& c : chunks_) {
@@ -175,9 +193,16 @@ class route_record_encoder {
     w::write_header(header_, p);
     header_.checksum = meta_checksum(p, header_.payload_offset());
     w::store_le<std::uint64_t>(p + w::checksum_offset, header_.checksum);
-    const std::size_t size = buffer.size();
+    const std::size_t size = out.size();
     reset();
     return size;
+  }
+
+  /// @brief Reserves room for `tokens` more rows' packed chunks (no reallocation while appending).
+  void reserve(std::size_t tokens)
+  {
+    payload_.reserve(payload_.size() + (tokens * header_.num_layers * header_.entry_bits + 7) / 8 + 8);
+    valid_.reserve(valid_.size() + tokens / 8 + 1);
   }
 
   /// @brief finish_into a new buffer.
@@ -197,6 +222,13 @@ class route_record_encoder {
   }
 
  private:
+  // header, layer map, chunk index and bitmap of a record of `chunks` chunks with the rows so far
+  [[nodiscard]] std::size_t header_bytes_for(std::uint32_t chunks) const noexcept
+  {
+    return detail::wire::header_bytes + std::size_t{header_.num_layers} * 4 + std::size_t{chunks} * detail::wire::chunk_entry_bytes +
+           (missing_ > 0 ? (std::size_t{rows_} + 7) / 8 : 0);
+  }
+
   void reset() noexcept
   {
     rows_ = staged_ = missing_ = 0;
