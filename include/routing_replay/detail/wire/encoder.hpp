@@ -337,20 +337,25 @@ class route_record_encoder {
     std::size_t stored_size = bytes;
     route_codec codec       = route_codec::packed;
     if (options_.codec != route_codec::packed) {
-      const std::byte* in = packed_.data();
-      std::size_t in_size = bytes;
-      if (options_.codec == route_codec::zstd_columns) {
-        const std::uint32_t planes = w::column_planes(header_.num_experts);
-        columns_.resize(ids * planes);
-        w::to_columns(stage_.data(), tokens, header_.num_layers, header_.top_k, planes, columns_.data());
-        in      = columns_.data();
-        in_size = columns_.size();
-      }
-      // a chunk that compression does not shrink is kept packed: no record is larger than packed
-      if (compressor_.compress(in, in_size, compressed_) && compressed_.size() < bytes) {
-        stored      = compressed_.data();
+      // a chunk that compression does not shrink is kept packed: no record is larger than packed.
+      // zstd_columns keeps the smaller of zstd over the columns and zstd over the packed form, so
+      // it is never larger than zstd either (routing without column structure compresses better
+      // packed: a skewed router's repeats are whole entries either way, and 9-bit ids pack tighter)
+      if (compressor_.compress(packed_.data(), bytes, compressed_) && compressed_.size() < stored_size) {
         stored_size = compressed_.size();
-        codec       = options_.codec;
+        codec       = route_codec::zstd;
+        std::swap(best_, compressed_);
+        stored = best_.data();
+      }
+      if (options_.codec == route_codec::zstd_columns) {
+        const std::uint32_t width = w::column_bytes(header_.num_experts);
+        columns_.resize(ids * width);
+        w::to_columns(stage_.data(), tokens, header_.num_layers, header_.top_k, width, columns_.data());
+        if (compressor_.compress(columns_.data(), columns_.size(), compressed_) && compressed_.size() < stored_size) {
+          stored_size = compressed_.size();
+          codec       = route_codec::zstd_columns;
+          stored      = compressed_.data();
+        }
       }
     }
     w::chunk_entry entry;
@@ -369,7 +374,7 @@ class route_record_encoder {
   detail::wire::zstd_compressor compressor_;
   std::size_t row_ids_ = 0;            // L * K
   std::vector<std::uint16_t> stage_;   // the chunk being filled, [chunk_tokens][L][K]
-  std::vector<std::byte> packed_, columns_, compressed_;
+  std::vector<std::byte> packed_, columns_, compressed_, best_;
   std::vector<std::byte> payload_;     // stored chunks, back to back
   std::vector<detail::wire::chunk_entry> chunks_;
   std::vector<std::byte> valid_;       // the validity bitmap, a bit a row (1: present)
