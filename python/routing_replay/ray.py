@@ -416,27 +416,37 @@ def rank_routing(refs: Sequence[RouteRef], place: RankPlace, *, layer_map: Layer
     out = np.empty((count_out, len(wanted), top_k), dtype=out_dtype)
 
     def decode_into(target, b: int, first: int, count: int) -> None:
-        """Rows [first, first + count) of record b (its own row numbers), the rank's layers, into target."""
+        """Rows [first, first + count) of record b (its own row numbers), the rank's layers, into
+        ``target`` (any array of their shape): straight in where it is contiguous and the layers a
+        contiguous run of captured ones, else at most one chunk of the record at a time, placed."""
+        if not real.size:
+            target[...] = sentinel  # no router of the rank has routing (dense layers only)
+            return
         begin = refs[b].token_start + first
-        if direct:
+        if direct and target.flags.c_contiguous:
             wire.decode(buffers[b], tokens=slice(begin, begin + count), layers=slice(lo, hi), out=target)
             return
-        block = np.empty((count, hi - lo, top_k), dtype=out_dtype)
-        wire.decode(buffers[b], tokens=slice(begin, begin + count), layers=slice(lo, hi), out=block)
-        target[:, ~dense] = block[:, real - lo]
-        target[:, dense] = sentinel
+        chunk = headers[b]["chunk_tokens"] or 1024
+        for k in range(0, count, chunk):
+            n = min(chunk, count - k)
+            block = wire.decode(buffers[b], tokens=slice(begin + k, begin + k + n), layers=slice(lo, hi),
+                                out=np.empty((n, hi - lo, top_k), dtype=out_dtype))
+            if direct:
+                target[k:k + n] = block
+            else:
+                target[k:k + n, ~dense] = block[:, real - lo]
+                target[k:k + n, dense] = sentinel
 
     for b, first, count, at, where in runs:
         if where is None:
             decode_into(out[at:at + count], b, first, count)
-            continue
-        # at most one chunk of the record decoded at a time, then placed
-        chunk = headers[b]["chunk_tokens"] or 1024
-        for k in range(0, count, chunk):
-            n = min(chunk, count - k)
-            block = np.empty((n, len(wanted), top_k), dtype=out_dtype)
-            decode_into(block, b, first + k, n)
-            out[where[k:k + n]] = block
+        else:  # strided rows (a padded batch's [s, b] order): decoded a chunk at a time, placed by index
+            chunk = headers[b]["chunk_tokens"] or 1024
+            for k in range(0, count, chunk):
+                n = min(chunk, count - k)
+                block = np.empty((n, len(wanted), top_k), dtype=out_dtype)
+                decode_into(block, b, first + k, n)
+                out[where[k:k + n]] = block
     # the final token of records one row short
     for i, b in finals:
         if final_token == "sentinel":

@@ -180,7 +180,7 @@ def test_rank_routing_packed(cluster, cp, sp, final_token, pad_rows):
     lengths, arrays, records = batch(100 + cp * 10 + sp, 6)
     refs = rr_ray.publish(records)
     align = 2 * cp * sp
-    layer_choices = [None, (0, 2), (2, 3, 4), (1, 2, 3), (5, 0)]  # dense layer 1 in a stage; routers out of order
+    layer_choices = [None, (0, 2), (2, 3, 4), (1, 2, 3), (5, 0), (1,)]  # dense layer 1 in a stage; routers out of order
     for dp in (1, 2):
         for layers in layer_choices:
             for rank in range(dp * cp * sp):
