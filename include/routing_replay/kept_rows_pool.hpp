@@ -227,8 +227,9 @@ class kept_rows_pool {
   {
     e->used = 0;
     // kept while the pool holds no more than its budget without it, or less than `ahead_` free:
-    // the filling thread's own test (wants_more()), so that it never makes what was just freed
-    if (e->bytes == extent_bytes_ && (!give_back_ || size_ - e->bytes < budget_ || free_bytes() < ahead_)) {
+    // the filling thread's own test (wants_more()), so that it never makes what was just freed.
+    // Without give_back every extent is kept, one made for a large slice too (it serves any take)
+    if (!give_back_ || (e->bytes == extent_bytes_ && (size_ - e->bytes < budget_ || free_bytes() < ahead_))) {
       ready_.push_back(e);
       return false;
     }
