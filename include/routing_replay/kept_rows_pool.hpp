@@ -44,6 +44,10 @@ struct kept_pool_config {
   /// @brief Free bytes the filling thread keeps ready beyond those in use, budget or not (0: two
   /// extents): what a burst of takes may use before the filling thread has caught up.
   std::size_t ahead_bytes = 0;
+  /// @brief Whether extents emptied past the budget go back to the system. False keeps every
+  /// extent made (pinned memory of a CUDA backend: cudaFreeHost synchronizes with the device, which
+  /// the filling thread must not do while the engine may be capturing a CUDA graph).
+  bool give_back = true;
 };
 
 /// @brief What a kept_rows_pool holds and has done.
@@ -96,7 +100,8 @@ class kept_rows_pool {
       extent_bytes_(detail::kept_pool::round_up(std::max<std::size_t>(config.extent_bytes, 1),
                                                 detail::kept_pool::page_bytes())),
       budget_(config.budget_bytes),
-      ahead_(config.ahead_bytes > 0 ? config.ahead_bytes : 2 * extent_bytes_)
+      ahead_(config.ahead_bytes > 0 ? config.ahead_bytes : 2 * extent_bytes_),
+      give_back_(config.give_back)
   {
     filler_ = std::thread{[this] { fill(); }};
   }
@@ -222,8 +227,9 @@ class kept_rows_pool {
   {
     e->used = 0;
     // kept while the pool holds no more than its budget without it, or less than `ahead_` free:
-    // the filling thread's own test (wants_more()), so that it never makes what was just freed
-    if (e->bytes == extent_bytes_ && (size_ - e->bytes < budget_ || free_bytes() < ahead_)) {
+    // the filling thread's own test (wants_more()), so that it never makes what was just freed.
+    // Without give_back every extent is kept, one made for a large slice too (it serves any take)
+    if (!give_back_ || (e->bytes == extent_bytes_ && (size_ - e->bytes < budget_ || free_bytes() < ahead_))) {
       ready_.push_back(e);
       return false;
     }
@@ -348,6 +354,7 @@ class kept_rows_pool {
   extent* current_ = nullptr;                 // slices are carved from it
   std::size_t budget_;
   std::size_t ahead_;
+  bool give_back_;
   std::size_t size_            = 0;
   std::size_t size_high_water_ = 0;
   std::size_t in_use_          = 0;

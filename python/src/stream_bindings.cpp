@@ -89,7 +89,8 @@ vllm_streams::vllm_streams(nb::object device, std::int32_t block_size, std::int3
     current_stream_(std::move(current_stream)),
     chunks_(std::make_shared<chunk_pool>(
       function_kept_memory{device_->pinned_allocator(), device_->pinned_deallocator(), device_->helper_thread_entry()},
-      output_pool_config(max_num_batched_tokens, row_elems_, out_bytes_, max_concurrent_batches, kept_budget_bytes)))
+      output_pool_config(max_num_batched_tokens, row_elems_, out_bytes_, max_concurrent_batches, kept_budget_bytes,
+                         device_->on_host())))
 {
   if (max_num_batched_tokens > device_handle_->max_rows) {
     throw nb::value_error("max_num_batched_tokens exceeds the capture buffer's rows");
@@ -112,7 +113,7 @@ vllm_streams::vllm_streams(nb::object device, std::int32_t block_size, std::int3
 }
 
 kept_pool_config output_pool_config(std::int32_t max_num_batched_tokens, std::int32_t row_elems, std::int32_t out_bytes,
-                                    std::int32_t max_concurrent_batches, std::int64_t budget_bytes)
+                                    std::int32_t max_concurrent_batches, std::int64_t budget_bytes, bool give_back)
 {
   const std::size_t step = static_cast<std::size_t>(std::max(max_num_batched_tokens, 1)) *
                            static_cast<std::size_t>(row_elems) * static_cast<std::size_t>(out_bytes);
@@ -125,6 +126,7 @@ kept_pool_config output_pool_config(std::int32_t max_num_batched_tokens, std::in
   const std::size_t in_flight = static_cast<std::size_t>(std::max(max_concurrent_batches, 1)) + 2;
   c.budget_bytes = budget_bytes >= 0 ? static_cast<std::size_t>(budget_bytes)
                                      : (in_flight * step + c.extent_bytes - 1) / c.extent_bytes * c.extent_bytes;
+  c.give_back = give_back;
   return c;
 }
 

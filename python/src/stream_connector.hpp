@@ -147,9 +147,10 @@ class vllm_streams {
 
 /// @brief The output pool's sizes for steps of `max_num_batched_tokens` rows of `row_elems` ids of
 /// `out_bytes` bytes: extents of two full steps, and a budget of `budget_bytes` (< 0: the steps in
-/// flight at once plus two, in whole extents).
+/// flight at once plus two, in whole extents); extents past it given back where `give_back` (the
+/// host backend: pinned memory of CUDA is kept, kept_pool_config::give_back).
 kept_pool_config output_pool_config(std::int32_t max_num_batched_tokens, std::int32_t row_elems, std::int32_t out_bytes,
-                                    std::int32_t max_concurrent_batches, std::int64_t budget_bytes);
+                                    std::int32_t max_concurrent_batches, std::int64_t budget_bytes, bool give_back);
 
 /// @brief A kept pool's stats as a dict (the names of kept_pool_stats' fields).
 nanobind::dict kept_pool_dict(const kept_pool_stats& stats);

@@ -166,10 +166,12 @@ class stream_device_impl final : public stream_device_base {
   [[nodiscard]] void* (*pinned_allocator() const noexcept)(std::size_t) override { return &allocate; }
   /// @brief Backend::free_pinned.
   [[nodiscard]] void (*pinned_deallocator() const noexcept)(void*, std::size_t) override { return &Backend::free_pinned; }
-  /// @brief Backend::adopt_host_thread_context of the calling thread's context.
+  /// @brief Backend::adopt_host_thread_context of the calling thread's context, on this side's
+  /// device (CUDA: not whichever device is current on the calling thread).
   [[nodiscard]] std::function<void()> helper_thread_entry() const override
   {
     auto state = Backend::host_thread_context();
+    if constexpr (!host) { state.device = device_; }
     return [state] { Backend::adopt_host_thread_context(state); };
   }
 

@@ -145,6 +145,28 @@ TEST_CASE("kept_rows_pool: a consumer that keeps past the budget makes the filli
   CHECK(pool.stats().size_bytes >= 8 * mib);
 }
 
+TEST_CASE("kept_rows_pool: without give_back, extents emptied past the budget stay (pinned memory of a CUDA backend)")
+{
+  rr::kept_rows_pool<> pool{{.extent_bytes = mib, .budget_bytes = mib, .ahead_bytes = mib, .give_back = false}};
+  pool.wait_until_filled();
+  std::vector<rr::kept_rows_pool<>::slice> kept;
+  for (int i = 0; i < 8; ++i) {
+    kept.push_back(pool.take(mib));
+    pool.wait_until_filled();
+  }
+  const std::size_t grown = pool.stats().size_bytes;
+  CHECK(grown >= 8 * mib);
+  kept.push_back(pool.take(3 * mib));  // larger than an extent: one of its own, kept too
+  pool.wait_until_filled();
+  const std::size_t with_large = pool.stats().size_bytes;
+  CHECK(with_large >= grown + 3 * mib);
+  for (const auto& k : kept) { pool.release(k); }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(pool.stats().size_bytes == with_large);
+  CHECK(pool.stats().extents_freed == 0);
+  CHECK(pool.stats().in_use_bytes == 0);
+}
+
 TEST_CASE("kept_rows_pool: a burst past what is ready makes the taking thread make an extent, never wait or fail")
 {
   rr::kept_rows_pool<> pool{{.extent_bytes = mib, .budget_bytes = mib, .ahead_bytes = mib}};

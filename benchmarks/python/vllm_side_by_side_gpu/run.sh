@@ -5,8 +5,9 @@
 # (default 2), every line tagged with its round: the side by side with outputs dropped (every
 # scenario) and kept until each request finishes (decode B1 to B1024, prefill 8k), and the PR 39917
 # drop-in and Replay (engine_loop.py, eager: prefill 8k with requests kept to the end and finished in
-# the next step, decode B64 and B1024; prefill 8k kept to the end with 64 MiB of row memory ahead). Files under $OUT (default build/vllm_side_by_side):
-# machine.txt, tests.log, side_by_side.jsonl, dropin.jsonl, table.md.
+# the next step, decode B64 and B1024; prefill 8k kept to the end with 64 MiB of row memory ahead).
+# Files under $OUT (default build/vllm_side_by_side): machine.txt, tests.log, side_by_side.jsonl,
+# dropin.jsonl, table.md.
 # Usage (repository root): OUT=... ROUNDS=2 benchmarks/python/vllm_side_by_side_gpu/run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
