@@ -137,6 +137,11 @@ TEST_CASE("route record: every model shape, codec and form round-trips, whole an
           const auto packed = encode(rows, T, s, {.token_start = 17, .ordered = ordered});
           CHECK(record.size() <= packed.size());
         }
+        // zstd_columns keeps, chunk by chunk, the smaller of zstd over columns and over the packed form
+        if (codec == rr::route_codec::zstd_columns) {
+          const auto plain = encode(rows, T, s, {.token_start = 17, .codec = rr::route_codec::zstd});
+          CHECK(record.size() <= plain.size());
+        }
       }
     }
   }
@@ -217,6 +222,15 @@ TEST_CASE("route record: the encoder refuses what it cannot store, naming it")
   auto [c3, m3] = code_of([&] { encode(rows, 2, s, {.ordered = false}); });
   CHECK(c3 == rr::errc::invalid_argument);
   CHECK(m3.find("row 1 of the call, layer 0: an id repeats") != std::string::npos);
+  // a narrowing never makes an id valid: -1 of int8 is not expert 255, 65539 of int64 not expert 3
+  for (const std::ptrdiff_t layer_stride : {2, 3}) {  // contiguous rows, and strided ones
+    const std::int8_t narrow[] = {1, -1, 3, 4, 5, 6};
+    CHECK(code_of([&] { rr::route_record_encoder{2, 2, 300}.append(narrow, 1, 6, layer_stride); }).first ==
+          rr::errc::invalid_expert_id);
+    const std::int64_t wide[] = {1, 65539, 3, 4, 5, 6};
+    CHECK(code_of([&] { rr::route_record_encoder{2, 2, 8}.append(wide, 1, 6, layer_stride); }).second.find("65539") !=
+          std::string::npos);
+  }
   CHECK(code_of([] { rr::route_record_encoder{0, 8, 128}; }).first == rr::errc::invalid_argument);
   CHECK(code_of([] { rr::route_record_encoder{4, 8, 70000}; }).first == rr::errc::invalid_argument);
   CHECK(code_of([] { rr::route_record_encoder{4, 9, 8}; }).first == rr::errc::invalid_argument);

@@ -81,19 +81,29 @@ nb::bytes encode(nb::ndarray<nb::ro, nb::ndim<3>, nb::device::cpu> rows, std::ui
   options.codec      = codec_of(codec);
   options.ordered    = ordered;
   options.zstd_level = zstd_level;
-  std::vector<std::byte> out;
+  // The record is written straight into the bytes object returned: no copy of it is made here
+  std::optional<route_record_encoder> enc;
+  std::size_t size = 0;
   {
     nb::gil_scoped_release release;
-    route_record_encoder enc{static_cast<std::uint32_t>(rows.shape(1)), static_cast<std::uint32_t>(rows.shape(2)),
-                             num_experts, std::move(options)};
+    enc.emplace(static_cast<std::uint32_t>(rows.shape(1)), static_cast<std::uint32_t>(rows.shape(2)), num_experts,
+                std::move(options));
+    enc->reserve(rows.shape(0));
     with_integer(*code, [&]<class T>(T*) {
       const auto* base = static_cast<const T*>(rows.data());
-      enc.append<T>(base, rows.shape(0), rows.stride(0), rows.stride(1),
-                    missing_rows ? std::optional<T>{sentinel_of<T>()} : std::nullopt);
+      enc->append<T>(base, rows.shape(0), rows.stride(0), rows.stride(1),
+                     missing_rows ? std::optional<T>{sentinel_of<T>()} : std::nullopt);
     });
-    enc.finish_into(out);
+    size = enc->finished_size();
   }
-  return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+  PyObject* bytes = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
+  if (bytes == nullptr) { throw nb::python_error(); }
+  nb::bytes result = nb::steal<nb::bytes>(bytes);
+  {
+    nb::gil_scoped_release release;
+    enc->finish_into(std::span<std::byte>{reinterpret_cast<std::byte*>(PyBytes_AS_STRING(bytes)), size});
+  }
+  return result;
 }
 
 nb::dict info(const record_bytes& record)

@@ -17,6 +17,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string>
@@ -148,16 +149,34 @@ class route_record_encoder {
   /// @return the record's size in bytes
   std::size_t finish_into(std::vector<std::byte>& buffer)
   {
-    namespace w = detail::wire;
+    buffer.resize(finished_size());
+    return finish_into(std::span<std::byte>{buffer});
+  }
+
+  /// @brief The size the record will have when finished now (it packs the partial chunk).
+  [[nodiscard]] std::size_t finished_size()
+  {
     if (staged_ > 0) { flush_chunk(); }
+    return header_bytes_for(static_cast<std::uint32_t>(chunks_.size())) + payload_.size();
+  }
+
+  /// @brief Writes the record into `out`, which holds exactly finished_size() bytes (a Python
+  /// bytes object, a pinned buffer, ...), and starts the next one.
+  /// @throws error invalid_argument where `out` has another size (nothing is written then)
+  std::size_t finish_into(std::span<std::byte> out)
+  {
+    namespace w = detail::wire;
+    if (out.size() != finished_size()) {
+      throw error{errc::invalid_argument, "route_record_encoder: " + std::to_string(out.size()) +
+                                            " bytes to finish into, the record has " + std::to_string(finished_size())};
+    }
     header_.num_tokens   = rows_;
     header_.num_chunks   = static_cast<std::uint32_t>(chunks_.size());
     header_.missing_rows = missing_;
     header_.flags        = (header_.flags & ~w::flag_has_missing) | (missing_ > 0 ? w::flag_has_missing : 0u);
     header_.payload_bytes = payload_.size();
     header_.record_bytes  = header_.payload_offset() + payload_.size();
-    buffer.resize(header_.record_bytes);
-    std::byte* p = buffer.data();
+    std::byte* p = out.data();
     std::byte* q = p + w::header_bytes;
     for (const std::uint32_t layer : options_.layer_map) { w::store_le<std::uint32_t>(q, layer); q += 4; }
     for (const w::chunk_entry& c : chunks_) {
@@ -174,9 +193,16 @@ class route_record_encoder {
     w::write_header(header_, p);
     header_.checksum = meta_checksum(p, header_.payload_offset());
     w::store_le<std::uint64_t>(p + w::checksum_offset, header_.checksum);
-    const std::size_t size = buffer.size();
+    const std::size_t size = out.size();
     reset();
     return size;
+  }
+
+  /// @brief Reserves room for `tokens` more rows' packed chunks (no reallocation while appending).
+  void reserve(std::size_t tokens)
+  {
+    payload_.reserve(payload_.size() + (tokens * header_.num_layers * header_.entry_bits + 7) / 8 + 8);
+    valid_.reserve(valid_.size() + tokens / 8 + 1);
   }
 
   /// @brief finish_into a new buffer.
@@ -196,6 +222,13 @@ class route_record_encoder {
   }
 
  private:
+  // header, layer map, chunk index and bitmap of a record of `chunks` chunks with the rows so far
+  [[nodiscard]] std::size_t header_bytes_for(std::uint32_t chunks) const noexcept
+  {
+    return detail::wire::header_bytes + std::size_t{header_.num_layers} * 4 + std::size_t{chunks} * detail::wire::chunk_entry_bytes +
+           (missing_ > 0 ? (std::size_t{rows_} + 7) / 8 : 0);
+  }
+
   void reset() noexcept
   {
     rows_ = staged_ = missing_ = 0;
@@ -218,27 +251,32 @@ class route_record_encoder {
     const std::uint32_t K = header_.top_k, E = header_.num_experts;
     std::uint16_t* out = stage_.data() + std::size_t{staged_} * row_ids_;
     bool bad = false;
-    if (layer_stride == static_cast<std::ptrdiff_t>(K)) {  // a contiguous row: one flat loop
-      // the largest id as unsigned (negatives become huge) in fixed blocks of 32, which the
-      // compiler vectorizes even at -O2 (its cheap cost model refuses a loop that needs an epilogue)
-      using U = std::make_unsigned_t<Id>;
-      U top = 0;
+    if (layer_stride == static_cast<std::ptrdiff_t>(K)) {  // a contiguous row: flat loops
+      // The conversion, then the range check as a min and a max in Id itself (a negative id of a
+      // signed type must never alias a valid one through the narrowing). Separate loops in fixed
+      // blocks of 32 are what g++ vectorizes at -O2 (its cheap cost model refuses a loop that
+      // needs an epilogue, or one that stores and reduces at once).
+      if constexpr (sizeof(Id) == sizeof(std::uint16_t)) {
+        std::memcpy(out, row, row_ids_ * sizeof(Id));  // the same bits: negatives fail the check below
+      } else {
+        for (std::size_t i = 0; i < row_ids_; ++i) { out[i] = static_cast<std::uint16_t>(row[i]); }
+      }
+      Id lo = row[0], hi = row[0];
       std::size_t i = 0;
       for (; i + 32 <= row_ids_; i += 32) {
-        U m = 0;
+        Id bl = row[i], bh = row[i];
         for (std::size_t j = 0; j < 32; ++j) {
-          const auto v = static_cast<U>(row[i + j]);
-          m = v > m ? v : m;
-          out[i + j] = static_cast<std::uint16_t>(v);
+          bl = row[i + j] < bl ? row[i + j] : bl;
+          bh = row[i + j] > bh ? row[i + j] : bh;
         }
-        top = m > top ? m : top;
+        lo = bl < lo ? bl : lo;
+        hi = bh > hi ? bh : hi;
       }
       for (; i < row_ids_; ++i) {
-        const auto v = static_cast<U>(row[i]);
-        top = v > top ? v : top;
-        out[i] = static_cast<std::uint16_t>(v);
+        lo = row[i] < lo ? row[i] : lo;
+        hi = row[i] > hi ? row[i] : hi;
       }
-      bad = static_cast<std::uint64_t>(top) >= E;
+      bad = lo < 0 || static_cast<std::uint64_t>(hi) >= E;
     } else {
       stage_strided(row, layer_stride, out, bad);
     }
@@ -261,10 +299,10 @@ class route_record_encoder {
     for (std::uint32_t l = 0; l < L; ++l) {
       const Id* ids = row + static_cast<std::ptrdiff_t>(l) * layer_stride;
       for (std::uint32_t k = 0; k < K; ++k) {
-        // one unsigned compare catches negatives too; the branch-free OR keeps the loop vectorizable
-        const auto v = static_cast<std::make_unsigned_t<Id>>(ids[k]);
-        bad |= static_cast<std::uint64_t>(v) >= E;
-        out[l * K + k] = static_cast<std::uint16_t>(v);
+        // negatives become huge through the signed widening, so one unsigned compare catches both
+        const auto v = static_cast<std::uint64_t>(static_cast<std::int64_t>(ids[k]));
+        bad |= v >= E;
+        out[l * K + k] = static_cast<std::uint16_t>(ids[k]);
       }
     }
   }
@@ -337,20 +375,25 @@ class route_record_encoder {
     std::size_t stored_size = bytes;
     route_codec codec       = route_codec::packed;
     if (options_.codec != route_codec::packed) {
-      const std::byte* in = packed_.data();
-      std::size_t in_size = bytes;
-      if (options_.codec == route_codec::zstd_columns) {
-        const std::uint32_t planes = w::column_planes(header_.num_experts);
-        columns_.resize(ids * planes);
-        w::to_columns(stage_.data(), tokens, header_.num_layers, header_.top_k, planes, columns_.data());
-        in      = columns_.data();
-        in_size = columns_.size();
-      }
-      // a chunk that compression does not shrink is kept packed: no record is larger than packed
-      if (compressor_.compress(in, in_size, compressed_) && compressed_.size() < bytes) {
-        stored      = compressed_.data();
+      // a chunk that compression does not shrink is kept packed: no record is larger than packed.
+      // zstd_columns keeps the smaller of zstd over the columns and zstd over the packed form, so
+      // it is never larger than zstd either (routing without column structure compresses better
+      // packed: a skewed router's repeats are whole entries either way, and 9-bit ids pack tighter)
+      if (compressor_.compress(packed_.data(), bytes, compressed_) && compressed_.size() < stored_size) {
         stored_size = compressed_.size();
-        codec       = options_.codec;
+        codec       = route_codec::zstd;
+        std::swap(best_, compressed_);
+        stored = best_.data();
+      }
+      if (options_.codec == route_codec::zstd_columns) {
+        const std::uint32_t width = w::column_bytes(header_.num_experts);
+        columns_.resize(ids * width);
+        w::to_columns(stage_.data(), tokens, header_.num_layers, header_.top_k, width, columns_.data());
+        if (compressor_.compress(columns_.data(), columns_.size(), compressed_) && compressed_.size() < stored_size) {
+          stored_size = compressed_.size();
+          codec       = route_codec::zstd_columns;
+          stored      = compressed_.data();
+        }
       }
     }
     w::chunk_entry entry;
@@ -369,7 +412,7 @@ class route_record_encoder {
   detail::wire::zstd_compressor compressor_;
   std::size_t row_ids_ = 0;            // L * K
   std::vector<std::uint16_t> stage_;   // the chunk being filled, [chunk_tokens][L][K]
-  std::vector<std::byte> packed_, columns_, compressed_;
+  std::vector<std::byte> packed_, columns_, compressed_, best_;
   std::vector<std::byte> payload_;     // stored chunks, back to back
   std::vector<detail::wire::chunk_entry> chunks_;
   std::vector<std::byte> valid_;       // the validity bitmap, a bit a row (1: present)

@@ -23,7 +23,7 @@ namespace routing_replay {
 enum class route_codec : std::uint8_t {
   packed       = 0,  ///< ids bit-packed at ceil(log2 E) bits, nothing more (random access by id)
   zstd         = 1,  ///< the packed bytes compressed with zstd (needs libzstd)
-  zstd_columns = 2,  ///< ids transposed to one column per (layer, k), as byte planes, then zstd
+  zstd_columns = 2,  ///< ids transposed to one column per layer, in whole bytes, then zstd (or zstd of packed, if smaller)
 };
 
 /// @brief The codec's name as docs/wire.md and the Python module spell it ("packed", ...).

@@ -273,19 +273,16 @@ class route_record_reader {
     const std::uint32_t K = h_.top_k, L = h_.num_layers;
     const std::size_t per_token = std::size_t{nl} * K;
     if (index_[c].codec == route_codec::zstd_columns) {
-      const std::uint32_t planes = w::column_planes(h_.num_experts), n = h_.tokens_in_chunk(c);
       // layer by layer: a layer's rows [a, b) are one contiguous run of the column form
-      const std::size_t plane = std::size_t{n} * L * K;
+      const std::uint32_t width = w::column_bytes(h_.num_experts), n = h_.tokens_in_chunk(c);
       for (std::uint32_t l = 0; l < nl; ++l) {
-        const std::size_t first_id = (std::size_t{layer_begin + l} * n + a) * K;
-        const auto* lo = reinterpret_cast<const unsigned char*>(data) + first_id;
-        const auto* hi = lo + plane;
-        for (std::uint32_t t = a; t < b; ++t, lo += K, hi += K) {
+        const auto* src = reinterpret_cast<const unsigned char*>(data) + (std::size_t{layer_begin + l} * n + a) * K * width;
+        for (std::uint32_t t = a; t < b; ++t, src += std::size_t{K} * width) {
           std::uint16_t* dst = ids + (t - a) * per_token + std::size_t{l} * K;
-          if (planes == 1) {
-            for (std::uint32_t k = 0; k < K; ++k) { dst[k] = lo[k]; }
+          if (width == 1) {
+            for (std::uint32_t k = 0; k < K; ++k) { dst[k] = src[k]; }
           } else {
-            for (std::uint32_t k = 0; k < K; ++k) { dst[k] = static_cast<std::uint16_t>(lo[k] | (hi[k] << 8)); }
+            for (std::uint32_t k = 0; k < K; ++k) { dst[k] = static_cast<std::uint16_t>(src[2 * k] | (src[2 * k + 1] << 8)); }
           }
         }
       }
@@ -314,7 +311,7 @@ class route_record_reader {
     detail::wire::bad_record("chunk " + std::to_string(c) + ": " + what);
   }
 
-  /// The chunk's data in its decoded form (packed bytes, or column planes), after its checksum.
+  /// The chunk's data in its decoded form (packed bytes, or the column form), after its checksum.
   const std::byte* chunk_bytes(std::uint32_t c, detail::wire::zstd_decompressor& unzstd, scratch& s) const
   {
     namespace w = detail::wire;
@@ -329,7 +326,7 @@ class route_record_reader {
     }
     const std::uint32_t n = h_.tokens_in_chunk(c);
     s.size = e.codec == route_codec::zstd ? h_.packed_chunk_bytes(n)
-                                          : std::size_t{n} * h_.num_layers * h_.top_k * w::column_planes(h_.num_experts);
+                                          : std::size_t{n} * h_.num_layers * h_.top_k * w::column_bytes(h_.num_experts);
     s.chunk.resize(s.size);
     unzstd.decompress(stored, e.stored_bytes, s.size, s.chunk.data(), c);
     return s.chunk.data();
@@ -351,7 +348,10 @@ class route_record_reader {
       if (p[13] != std::byte{0} || p[14] != std::byte{0} || p[15] != std::byte{0}) { w::bad_record(at + "reserved bytes not zero"); }
       if (!w::known_codec(codec)) { w::bad_record(at + "unknown codec " + std::to_string(codec)); }
       e.codec = static_cast<route_codec>(codec);
-      if (e.codec != route_codec::packed && e.codec != h_.codec) {
+      // zstd_columns records keep a chunk as zstd where the packed form compressed better
+      const bool allowed = e.codec == route_codec::packed || e.codec == h_.codec ||
+                           (e.codec == route_codec::zstd && h_.codec == route_codec::zstd_columns);
+      if (!allowed) {
         w::bad_record(at + "codec " + route_codec_name(e.codec) + " in a record of codec " + route_codec_name(h_.codec));
       }
       if (e.codec == route_codec::zstd_columns && h_.order_free()) { w::bad_record(at + "zstd_columns in an order-free record"); }

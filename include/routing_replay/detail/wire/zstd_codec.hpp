@@ -3,8 +3,8 @@
 /// to columns, one per captured layer (its entries token after token). Routing persists along a
 /// layer's column (an entry repeats the previous token's) and each layer has its own popular
 /// experts; in a layer's column those repeats are short-distance matches and the popular ids sit
-/// together, both of which zstd codes cheaply, in byte-aligned planes that the packed stream's
-/// 7-bit phase would hide.
+/// together, both of which zstd codes cheaply, in whole bytes that the packed stream's 7-bit phase
+/// would hide from its entropy coder.
 /// Where libzstd is not compiled in (ROUTING_REPLAY_WIRE_HAS_ZSTD == 0) the same functions exist
 /// and say so, so that callers need no #if of their own.
 #pragma once
@@ -28,27 +28,30 @@ ROUTING_REPLAY_WIRE_ABI_BEGIN
 /// @brief Whether this build compresses and decompresses zstd chunks.
 inline constexpr bool zstd_available = ROUTING_REPLAY_WIRE_HAS_ZSTD != 0;
 
-/// @brief Bytes of one id in the column form: one plane for E <= 256, two (low, high) past that.
-[[nodiscard]] constexpr std::uint32_t column_planes(std::uint32_t num_experts) noexcept
+/// @brief Bytes of one id in the column form: one for E <= 256, two (little-endian) past that.
+[[nodiscard]] constexpr std::uint32_t column_bytes(std::uint32_t num_experts) noexcept
 {
   return num_experts <= 256 ? 1u : 2u;
 }
 
-/// @brief Transposes a chunk's ids [tokens][L][K] to the column form [plane][L][tokens][K]: each
-/// captured layer's entries token after token, one byte an id (two planes, low bytes then high
-/// bytes, where E > 256). An entry that repeats the previous token's is then K equal bytes K bytes
-/// back, and a layer's popular experts sit together: the two structures routing has.
+/// @brief Transposes a chunk's ids [tokens][L][K] to the column form [L][tokens][K]: each captured
+/// layer's entries token after token, at column_bytes bytes an id. An entry that repeats the
+/// previous token's is then K equal ids one entry back, and a layer's popular experts sit together:
+/// the two structures routing has.
 inline void to_columns(const std::uint16_t* ids, std::size_t tokens, std::size_t layers, std::size_t top_k,
-                       std::uint32_t planes, std::byte* out) noexcept
+                       std::uint32_t width, std::byte* out) noexcept
 {
-  const std::size_t plane = tokens * layers * top_k;
   for (std::size_t t = 0; t < tokens; ++t) {
     for (std::size_t l = 0; l < layers; ++l) {
       const std::uint16_t* entry = ids + (t * layers + l) * top_k;
-      std::byte* dst             = out + (l * tokens + t) * top_k;
+      std::byte* dst             = out + (l * tokens + t) * top_k * width;
       for (std::size_t k = 0; k < top_k; ++k) {
-        dst[k] = static_cast<std::byte>(entry[k] & 0xff);
-        if (planes == 2) { dst[plane + k] = static_cast<std::byte>(entry[k] >> 8); }
+        if (width == 1) {
+          dst[k] = static_cast<std::byte>(entry[k]);
+        } else {
+          dst[2 * k]     = static_cast<std::byte>(entry[k] & 0xff);
+          dst[2 * k + 1] = static_cast<std::byte>(entry[k] >> 8);
+        }
       }
     }
   }
