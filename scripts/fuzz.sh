@@ -47,33 +47,27 @@ status=0
 "$fuzzer" -max_total_time="$seconds" -len_control=0 -max_len=1024 -timeout=30 -rss_limit_mb=4096 \
   -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ "$@" build/fuzz/corpus tests/fuzz/corpus >"$log" 2>&1 ||
   status=$?
-if [ "$status" -eq 0 ]; then
-  echo "== block tier: fuzzing for ${tier_seconds}s"
-  tier_log=build/fuzz/last_run_block_tier.log
-  build/fuzz/tests/fuzz_block_tier -max_total_time="$tier_seconds" -len_control=0 -max_len=512 -timeout=30 \
-    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ \
-    build/fuzz/corpus_block_tier tests/fuzz/corpus_block_tier >"$tier_log" 2>&1 || status=$?
-  tier_execs=$(grep -E '^stat::number_of_executed_units' "$tier_log" | awk '{print $2}' || true)
-  echo "fuzz (block tier): ${tier_execs:-?} executions"
-  if [ "$status" -ne 0 ]; then
-    grep -E 'contract violation|ERROR: |runtime error|SUMMARY' "$tier_log" | head -n 20 || true
-    echo "FINDING: the input is in build/fuzz/findings/; reproduce with: build/fuzz/tests/fuzz_block_tier build/fuzz/findings/<file>"
-    exit "$status"
+# fuzz_harness NAME TITLE MAX_LEN RSS_MB SECONDS: one of the smaller harnesses (build/fuzz/tests/NAME,
+# seed corpus tests/fuzz/corpus_SUFFIX) for SECONDS; a finding prints its lines and ends the script.
+fuzz_harness() {
+  local name=$1 title=$2 max_len=$3 rss=$4 time=$5 suffix=${1#fuzz_}
+  local harness_log=build/fuzz/last_run_$suffix.log harness_status=0
+  echo "== $title: fuzzing for ${time}s"
+  "build/fuzz/tests/$name" -max_total_time="$time" -len_control=0 -max_len="$max_len" -timeout=30 \
+    -rss_limit_mb="$rss" -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ \
+    "build/fuzz/corpus_$suffix" "tests/fuzz/corpus_$suffix" >"$harness_log" 2>&1 || harness_status=$?
+  local harness_execs
+  harness_execs=$(grep -E '^stat::number_of_executed_units' "$harness_log" | awk '{print $2}' || true)
+  echo "fuzz ($title): ${harness_execs:-?} executions"
+  if [ "$harness_status" -ne 0 ]; then
+    grep -E 'contract violation|ERROR: |runtime error|what\(\)|SUMMARY' "$harness_log" | head -n 20 || true
+    echo "FINDING: the input is in build/fuzz/findings/; reproduce with: build/fuzz/tests/$name build/fuzz/findings/<file>"
+    exit "$harness_status"
   fi
-fi
+}
 if [ "$status" -eq 0 ]; then
-  echo "== route record: fuzzing for ${record_seconds}s"
-  record_log=build/fuzz/last_run_route_record.log
-  build/fuzz/tests/fuzz_route_record -max_total_time="$record_seconds" -len_control=0 -max_len=2048 -timeout=30 \
-    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix=build/fuzz/findings/ \
-    build/fuzz/corpus_route_record tests/fuzz/corpus_route_record >"$record_log" 2>&1 || status=$?
-  record_execs=$(grep -E '^stat::number_of_executed_units' "$record_log" | awk '{print $2}' || true)
-  echo "fuzz (route record): ${record_execs:-?} executions"
-  if [ "$status" -ne 0 ]; then
-    grep -E 'contract violation|ERROR: |runtime error|what\(\)|SUMMARY' "$record_log" | head -n 20 || true
-    echo "FINDING: the input is in build/fuzz/findings/; reproduce with: build/fuzz/tests/fuzz_route_record build/fuzz/findings/<file>"
-    exit "$status"
-  fi
+  fuzz_harness fuzz_block_tier "block tier" 512 2048 "$tier_seconds"
+  fuzz_harness fuzz_route_record "route record" 2048 2048 "$record_seconds"
 fi
 # figures: executions, rate, coverage (edges, "cov") and features ("ft") at the end
 execs=$(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}' || true)
