@@ -4,7 +4,7 @@
 /// binds it, and the CUDA module, which only creates it.
 #pragma once
 
-#include "instance_registry.hpp"
+#include "instances/instance_registry.hpp"
 #include "replay_base.hpp"
 #include "replay_impl.hpp"
 

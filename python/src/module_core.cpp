@@ -6,10 +6,10 @@
 /// streams into the pointers and handles taken here.
 #include "bindings.hpp"
 #include "handle.hpp"
-#include "instance_registry.hpp"
+#include "instances/instance_registry.hpp"
 #include "replay_base.hpp"
-#include "slot_rows_bindings.hpp"
-#include "stream_bindings.hpp"
+#include "slot_rows/slot_rows_bindings.hpp"
+#include "row_streams/stream_bindings.hpp"
 
 #include <routing_replay/config.hpp>
 #include <routing_replay/host_backend.hpp>

@@ -1,10 +1,10 @@
 /// @file
 /// routing_replay._core_cuda: creates CUDA-backend replays. Every class they use (NativeReplay,
 /// Config, StepPlan, Error) is bound by routing_replay._core, which this module imports first.
-#include "cuda_instances.hpp"
+#include "instances/cuda_instances.hpp"
 #include "handle.hpp"
-#include "slot_rows_bindings.hpp"
-#include "stream_bindings.hpp"
+#include "slot_rows/slot_rows_bindings.hpp"
+#include "row_streams/stream_bindings.hpp"
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>

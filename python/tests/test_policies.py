@@ -17,7 +17,7 @@ LAYOUTS = ("layer_major", "token_major")
 COPIES = ("sync", "async_event", "double_buffered", "device_scatter")
 STORAGES = ("per_request", "block_slot")
 #: Every combination (64); a build compiles all of them unless ROUTING_REPLAY_PYTHON_INDEX_TYPES
-#: named fewer index types (python/src/instances.hpp).
+#: named fewer index types (python/src/instances/instances.hpp).
 ALL = list(itertools.product(INDEX_TYPES, LAYOUTS, COPIES, STORAGES))
 COMPILED = [p for p in ALL if p[0] in _build.INDEX_TYPES]
 

@@ -3,7 +3,7 @@
 /// ahead of need by the pool's filling thread and given back when the array, and every array or
 /// tensor made from it, has gone (a capsule owns the slice). For copies a consumer keeps: Replay's
 /// extraction copies (the drop-in's get_routed_experts), routing_replay.sglang's reads.
-#include "stream_bindings.hpp"
+#include "row_streams/stream_bindings.hpp"
 
 #include <routing_replay/kept_rows_pool.hpp>
 

@@ -1,7 +1,7 @@
 /// @file
 /// routing_replay._core_cuda's binding of slot_rows: create_slot_rows on the current CUDA device
 /// (SlotRows and SlotRowsConfig are bound by routing_replay._core, which this module imports first).
-#include "cuda_instances.hpp"
+#include "instances/cuda_instances.hpp"
 #include "slot_rows_bindings.hpp"
 
 #include <nanobind/nanobind.h>

@@ -5,7 +5,7 @@
 /// instantiations hand rows over through row_run_sink, so the encoder is compiled here, by the host
 /// compiler, whichever compiler built them.
 #include "bindings.hpp"
-#include "slot_rows_bindings.hpp"
+#include "slot_rows/slot_rows_bindings.hpp"
 
 #include <routing_replay/errors.hpp>
 #include <routing_replay/extract_record.hpp>

@@ -1,7 +1,7 @@
 /// @file
 /// routing_replay._core_cuda's part of routing_replay.vllm: create_stream_device() for the CUDA
 /// backend, returning the _StreamDevice class that _core binds.
-#include "cuda_instances.hpp"
+#include "instances/cuda_instances.hpp"
 #include "stream_bindings.hpp"
 #include "stream_connector.hpp"
 

@@ -5,7 +5,7 @@
 /// (instances.hpp; CI builds the host module only). No nanobind here: module_cuda.cpp binds it with
 /// the host compiler.
 #include "cuda_instances.hpp"
-#include "instance_registry.hpp"
+#include "instances/instance_registry.hpp"
 
 #include <routing_replay/routing_replay.cuh>
 
