@@ -11,7 +11,7 @@
 #include <routing_replay/data_path/row_claimer.hpp>
 #include <routing_replay/data_path/step_record.hpp>
 #include <routing_replay/detail/row_claim.hpp>
-#include <routing_replay/detail/step_errors.hpp>
+#include <routing_replay/detail/data_path/step_errors.hpp>
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>

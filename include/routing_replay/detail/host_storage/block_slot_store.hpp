@@ -7,11 +7,11 @@
 #pragma once
 
 #include <routing_replay/config.hpp>
-#include <routing_replay/detail/position_pages.hpp>
+#include <routing_replay/detail/host_storage/position_pages.hpp>
 #include <routing_replay/detail/row_claim.hpp>
-#include <routing_replay/detail/row_memory.hpp>
-#include <routing_replay/detail/slot_pool.hpp>
-#include <routing_replay/detail/streaming_store.hpp>
+#include <routing_replay/detail/host_storage/row_memory.hpp>
+#include <routing_replay/detail/host_storage/slot_pool.hpp>
+#include <routing_replay/detail/host_storage/streaming_store.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
