@@ -10,8 +10,8 @@ and, at its top level, what every part uses (at most TOP_LEVEL_MAX files). An in
   - in a public header (include/routing_replay/, outside detail/) that PUBLIC_PARTS maps to PART;
   - in a python/src file of a folder that PYTHON_DETAIL_PARTS maps to PART.
 A file under detail/'s top level includes no part's file. Public headers and detail/'s top level
-may be included from anywhere. tests/, benchmarks/ and examples/ are not checked: unit tests reach
-into a part on purpose.
+may be included from anywhere. PUBLIC_PARTS names existing headers, and some header reaches each
+part. tests/, benchmarks/ and examples/ are not checked: unit tests reach into a part on purpose.
 
 python/src follows the same plan with quoted includes (resolved against the including file's
 folder, then python/src; a generated NAME is found as NAME.in): a file may include python/src's
@@ -101,7 +101,12 @@ def check_library(root, problems):
             match = LIBRARY_INCLUDE.match(text)
             if match:
                 check_detail_include(where, number, match.group(1), allowed, problems)
-    count_top_level(os.path.join(top, "detail"), "include/routing_replay/detail", problems)
+    detail = os.path.join(top, "detail")
+    count_top_level(detail, "include/routing_replay/detail", problems)
+    stale = [k for k in PUBLIC_PARTS if not os.path.exists(os.path.join(top, k))]
+    stale += [f"detail/{d}/ (no public header reaches it)" for d in sorted(os.listdir(detail))
+              if os.path.isdir(os.path.join(detail, d)) and d not in set().union(*PUBLIC_PARTS.values())]
+    problems += [f"tests/check_part_includes.py: PUBLIC_PARTS is out of date: {k}" for k in stale]
 
 
 def resolve(src, rel, name):
