@@ -11,8 +11,8 @@
 /// store it mirrors does) and the budget grows with it.
 #pragma once
 
-#include <routing_replay/detail/block_arena.hpp>
-#include <routing_replay/detail/block_tier_index.hpp>
+#include <routing_replay/detail/block_tier/block_arena.hpp>
+#include <routing_replay/detail/block_tier/block_tier_index.hpp>
 #include <routing_replay/detail/xxhash64.hpp>
 #include <routing_replay/errors.hpp>
 

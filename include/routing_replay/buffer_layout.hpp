@@ -2,7 +2,7 @@
 /// Buffer-layout policy: how the device buffer D orders (layer, token, k).
 #pragma once
 
-#include <routing_replay/detail/token_major_mapping.hpp>
+#include <routing_replay/detail/policies/token_major_mapping.hpp>
 
 #include <cuda/std/concepts>
 #include <cuda/std/cstdint>

@@ -79,7 +79,7 @@ struct double_buffered {
 ///
 /// Needs storage whose row addresses never move while a kernel may write them: block_slot_storage
 /// (one pool allocated up front) and per_request_storage (segments of registered row memory that
-/// never move while their request lives; detail/request_ranges.hpp) both qualify. A device-reported error (an invalid id, an unwritten row) cannot stop rows
+/// never move while their request lives; detail/host_storage/request_ranges.hpp) both qualify. A device-reported error (an invalid id, an unwritten row) cannot stop rows
 /// already on their way: the kernel writes the sentinel instead of the step's rows, so they read as
 /// missing, and the error surfaces when the step is retired.
 /// @tparam Depth steps in flight at once, at least 1

@@ -283,7 +283,8 @@ struct cuda_backend {
   static void unregister_host(void* p) noexcept { (void)cudaHostUnregister(p); }
 
   /// @brief `bytes` of pinned host memory (cudaMallocHost) that kernels read through the same
-  /// address, for what the host writes and a kernel reads in place (detail/pinned_memory.hpp).
+  /// address, for what the host writes and a kernel reads in place
+  /// (detail/data_path/pinned_memory.hpp).
   /// @throws std::bad_alloc when the memory is not there (as Thrust's pinned vectors); error
   /// backend_error for another CUDA failure
   [[nodiscard]] static void* allocate_pinned(std::size_t bytes)

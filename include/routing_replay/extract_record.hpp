@@ -17,7 +17,7 @@
 #include <routing_replay/index_type.hpp>
 #include <routing_replay/route_record.hpp>
 #include <routing_replay/routed_experts.hpp>
-#include <routing_replay/detail/slot_rows_reader.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_reader.hpp>
 #include <routing_replay/step_plan.hpp>
 
 #include <concepts>

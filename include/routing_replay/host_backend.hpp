@@ -4,7 +4,7 @@
 /// with the same asynchrony.
 #pragma once
 
-#include <routing_replay/detail/host_queue.hpp>
+#include <routing_replay/detail/policies/host_queue.hpp>
 #include <routing_replay/errors.hpp>
 
 #include <cstddef>

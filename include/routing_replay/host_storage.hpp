@@ -2,8 +2,8 @@
 /// Host-storage policy: where rows are filed on the host until a request is extracted.
 #pragma once
 
-#include <routing_replay/detail/block_slot_store.hpp>
-#include <routing_replay/detail/per_request_store.hpp>
+#include <routing_replay/detail/host_storage/block_slot_store.hpp>
+#include <routing_replay/detail/host_storage/per_request_store.hpp>
 
 #include <concepts>
 #include <type_traits>

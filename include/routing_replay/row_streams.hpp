@@ -16,15 +16,16 @@
 /// slot whose block a filing task still reads is reused only after that task ran. A failed tier
 /// update fails the calls that update or read the tier after it.
 ///
-/// This file declares the calls; they are defined in detail/row_stream_begin.hpp (construction,
-/// begin_step's half), detail/row_stream_steps.hpp (the step's half) and
-/// detail/row_stream_staging.hpp (the tail pool and the hand-over to the filing thread).
+/// This file declares the calls; they are defined in detail/row_streams/row_stream_begin.hpp
+/// (construction, begin_step's half), detail/row_streams/row_stream_steps.hpp (the step's half) and
+/// detail/row_streams/row_stream_staging.hpp (the tail pool and the hand-over to the filing
+/// thread).
 #pragma once
 
 #include <routing_replay/block_tier.hpp>
-#include <routing_replay/detail/filing_worker.hpp>
-#include <routing_replay/detail/row_stream_filing.hpp>
-#include <routing_replay/detail/row_stream_requests.hpp>
+#include <routing_replay/detail/row_streams/filing_worker.hpp>
+#include <routing_replay/detail/row_streams/row_stream_filing.hpp>
+#include <routing_replay/detail/row_streams/row_stream_requests.hpp>
 #include <routing_replay/errors.hpp>
 
 #include <cstddef>
@@ -249,6 +250,6 @@ class row_streams {
 
 }  // namespace routing_replay
 
-#include <routing_replay/detail/row_stream_begin.hpp>
-#include <routing_replay/detail/row_stream_steps.hpp>
-#include <routing_replay/detail/row_stream_staging.hpp>
+#include <routing_replay/detail/row_streams/row_stream_begin.hpp>
+#include <routing_replay/detail/row_streams/row_stream_steps.hpp>
+#include <routing_replay/detail/row_streams/row_stream_staging.hpp>

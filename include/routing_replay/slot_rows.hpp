@@ -9,10 +9,10 @@
 #include <routing_replay/backend.hpp>
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/data_path/capture_buffer.hpp>
-#include <routing_replay/detail/slot_rows_errors.hpp>
-#include <routing_replay/detail/slot_rows_kernels.hpp>
-#include <routing_replay/detail/slot_rows_reader.hpp>
-#include <routing_replay/detail/slot_rows_store.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_errors.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_kernels.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_reader.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_store.hpp>
 #include <routing_replay/detail/validate_config.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>

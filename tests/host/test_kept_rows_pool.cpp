@@ -4,9 +4,9 @@
 // from several threads at once (host_schedule_tests runs this file under ThreadSanitizer). And
 // per-request storage's growth: superblocks made ahead, and counted where a step made its own.
 #include <routing_replay/config.hpp>
-#include <routing_replay/detail/per_request_store.hpp>
-#include <routing_replay/detail/row_arena.hpp>
-#include <routing_replay/detail/row_memory.hpp>
+#include <routing_replay/detail/host_storage/per_request_store.hpp>
+#include <routing_replay/detail/host_storage/row_arena.hpp>
+#include <routing_replay/detail/host_storage/row_memory.hpp>
 #include <routing_replay/kept_rows_pool.hpp>
 
 #include <doctest/doctest.h>

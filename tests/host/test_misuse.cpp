@@ -1,7 +1,7 @@
-// The threading model (docs/design.md section 6, docs/reliability.md): one host thread drives a
-// RoutingReplay at a time. Handing the object to another thread between calls is fine; a call from
-// a second thread while another thread is inside the object is misuse, which debug builds (and
-// builds that define ROUTING_REPLAY_CHECK_THREADS) detect and refuse with error invalid_state.
+// The threading model (docs/design/threading.md, section 6; docs/reliability.md): one host thread
+// drives a RoutingReplay at a time. Handing the object to another thread between calls is fine; a
+// call from a second thread while another thread is inside the object is misuse, which debug builds
+// (and builds that define ROUTING_REPLAY_CHECK_THREADS) detect and refuse with error invalid_state.
 #include "../support/error_checks.hpp"
 #include "../support/pipeline_stress.hpp"
 #include "../support/small_replay.hpp"

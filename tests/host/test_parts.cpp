@@ -9,7 +9,7 @@
 #include <routing_replay/data_path/row_filer.hpp>
 #include <routing_replay/data_path/row_reader.hpp>
 #include <routing_replay/data_path/step_planner.hpp>
-#include <routing_replay/detail/position_pages.hpp>
+#include <routing_replay/detail/host_storage/position_pages.hpp>
 #include <routing_replay/host_backend.hpp>
 #include <routing_replay/host_storage.hpp>
 

@@ -98,9 +98,10 @@ class checked_predictions : public checked_state<RR> {
     }
   }
 
-  // Per-request storage (design.md 3.5): a request with no rows yet takes over the smallest parked
-  // range that holds them and no kernel writes any more; otherwise it grows by a segment, after
-  // giving parked ranges back to the arena (oldest first) while the arena would cross the limit.
+  // Per-request storage (docs/design/host_storage.md, 3.5): a request with no rows yet takes over
+  // the smallest parked range that holds them and no kernel writes any more; otherwise it grows by
+  // a segment, after giving parked ranges back to the arena (oldest first) while the arena would
+  // cross the limit.
   void grow_storage(std::size_t& capacity, std::int64_t rows, bool exact)
   {
     const std::size_t bytes = segment_bytes(capacity, rows, exact);
@@ -133,9 +134,10 @@ class checked_predictions : public checked_state<RR> {
     capacity += bytes;
   }
 
-  // Per-request storage grows a request by one segment of its arena (design.md 3.5): a page
-  // multiple of at least 16 rows times a power of two, at least doubling the request's capacity (or,
-  // `exact`, the smallest that holds `rows`), never above the segment that holds max_model_len rows.
+  // Per-request storage grows a request by one segment of its arena (docs/design/host_storage.md,
+  // 3.5): a page multiple of at least 16 rows times a power of two, at least doubling the request's
+  // capacity (or, `exact`, the smallest that holds `rows`), never above the segment that holds
+  // max_model_len rows.
   [[nodiscard]] std::size_t segment_bytes(std::size_t capacity, std::int64_t rows, bool exact) const
   {
     const auto row_bytes   = static_cast<std::size_t>(row_elems_) * sizeof(index);

@@ -7,7 +7,7 @@
 #include <routing_replay/backend.hpp>
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/step_record.hpp>
-#include <routing_replay/detail/copy_ring.hpp>
+#include <routing_replay/detail/data_path/copy_ring.hpp>
 #include <routing_replay/detail/kernels.hpp>
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/errors.hpp>

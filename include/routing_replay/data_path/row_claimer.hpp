@@ -10,7 +10,7 @@
 #include <routing_replay/copy_strategy.hpp>
 #include <routing_replay/data_path/request_registry.hpp>
 #include <routing_replay/data_path/step_record.hpp>
-#include <routing_replay/detail/emplace_aggregate.hpp>
+#include <routing_replay/detail/data_path/emplace_aggregate.hpp>
 #include <routing_replay/detail/row_claim.hpp>
 #include <routing_replay/detail/scatter_op.hpp>
 #include <routing_replay/index_type.hpp>

@@ -11,7 +11,7 @@
 #include <routing_replay/data_path/row_claimer.hpp>
 #include <routing_replay/data_path/step_record.hpp>
 #include <routing_replay/detail/row_claim.hpp>
-#include <routing_replay/detail/step_errors.hpp>
+#include <routing_replay/detail/data_path/step_errors.hpp>
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
@@ -192,7 +192,8 @@ class row_filer : public row_claimer<Index, Store, Site> {
   /// again. Where the host places rows, the claimed rows get the sentinel: a later step may already
   /// be planned to copy one elsewhere (a position following it), and must copy the sentinel. Rows
   /// the step would have replaced (a row already there it re-claimed) stay, claimed as before, and
-  /// tentative draft rows it took over go back to their draft groups (design.md 5.3).
+  /// tentative draft rows it took over go back to their draft groups
+  /// (docs/design/error_model.md, 5.3).
   void discard(const step_record<Index>& step, request_registry& requests)
   {
     for (const auto& run : step.runs) {

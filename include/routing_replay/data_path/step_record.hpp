@@ -4,7 +4,7 @@
 /// draft tokens, and (where rows are claimed when the step begins) every row's place.
 #pragma once
 
-#include <routing_replay/detail/default_init_allocator.hpp>
+#include <routing_replay/detail/data_path/default_init_allocator.hpp>
 #include <routing_replay/detail/scatter_op.hpp>
 
 #include <cstdint>

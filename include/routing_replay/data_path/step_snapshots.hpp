@@ -16,7 +16,7 @@
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/config.hpp>
 #include <routing_replay/data_path/capture_buffer.hpp>
-#include <routing_replay/detail/snapshot_kernels.hpp>
+#include <routing_replay/detail/data_path/snapshot_kernels.hpp>
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/detail/validate_config.hpp>
 #include <routing_replay/errors.hpp>

@@ -9,7 +9,7 @@
 #include <routing_replay/backend.hpp>
 #include <routing_replay/buffer_layout.hpp>
 #include <routing_replay/config.hpp>
-#include <routing_replay/detail/parallel_kernels.hpp>
+#include <routing_replay/detail/parallel/parallel_kernels.hpp>
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>

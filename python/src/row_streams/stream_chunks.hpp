@@ -8,7 +8,7 @@
 /// the consumer keeps its outputs, while the pool holds enough (docs/kept_outputs.md).
 #pragma once
 
-#include <routing_replay/detail/row_stream_filing.hpp>
+#include <routing_replay/detail/row_streams/row_stream_filing.hpp>
 #include <routing_replay/kept_rows_pool.hpp>
 
 #include <atomic>

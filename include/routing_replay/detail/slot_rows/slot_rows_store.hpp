@@ -7,7 +7,7 @@
 
 #include <routing_replay/detail/kernels.hpp>
 #include <routing_replay/detail/macros.hpp>
-#include <routing_replay/detail/slot_rows_kernels.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_kernels.hpp>
 #include <routing_replay/detail/step_status.hpp>
 #include <routing_replay/index_type.hpp>
 

@@ -3,7 +3,7 @@
 /// the step, the layer and row (or the slot) of the first offender, and how often it happened.
 #pragma once
 
-#include <routing_replay/detail/slot_rows_kernels.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_kernels.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/layer_map.hpp>
 

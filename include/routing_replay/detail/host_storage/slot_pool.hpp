@@ -8,7 +8,7 @@
 
 #include <routing_replay/config.hpp>
 #include <routing_replay/detail/row_claim.hpp>
-#include <routing_replay/detail/row_memory.hpp>
+#include <routing_replay/detail/host_storage/row_memory.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 

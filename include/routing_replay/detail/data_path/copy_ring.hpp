@@ -4,7 +4,7 @@
 #pragma once
 
 #include <routing_replay/data_path/step_record.hpp>
-#include <routing_replay/detail/pinned_memory.hpp>
+#include <routing_replay/detail/data_path/pinned_memory.hpp>
 #include <routing_replay/detail/scatter_op.hpp>
 #include <routing_replay/detail/step_status.hpp>
 

@@ -9,8 +9,8 @@
 #pragma once
 
 #include <routing_replay/config.hpp>
-#include <routing_replay/detail/row_arena.hpp>
-#include <routing_replay/detail/row_memory.hpp>
+#include <routing_replay/detail/host_storage/row_arena.hpp>
+#include <routing_replay/detail/host_storage/row_memory.hpp>
 
 #include <sys/mman.h>
 #include <unistd.h>

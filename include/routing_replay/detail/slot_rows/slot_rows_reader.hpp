@@ -4,7 +4,7 @@
 /// the array in between, or handed over where they lie (for a route record).
 #pragma once
 
-#include <routing_replay/detail/slot_rows_kernels.hpp>
+#include <routing_replay/detail/slot_rows/slot_rows_kernels.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 #include <routing_replay/layer_map.hpp>

@@ -7,11 +7,11 @@
 #pragma once
 
 #include <routing_replay/config.hpp>
-#include <routing_replay/detail/position_pages.hpp>
+#include <routing_replay/detail/host_storage/position_pages.hpp>
 #include <routing_replay/detail/row_claim.hpp>
-#include <routing_replay/detail/row_memory.hpp>
-#include <routing_replay/detail/slot_pool.hpp>
-#include <routing_replay/detail/streaming_store.hpp>
+#include <routing_replay/detail/host_storage/row_memory.hpp>
+#include <routing_replay/detail/host_storage/slot_pool.hpp>
+#include <routing_replay/detail/host_storage/streaming_store.hpp>
 #include <routing_replay/errors.hpp>
 #include <routing_replay/index_type.hpp>
 
@@ -137,8 +137,9 @@ class block_slot_store : public slot_pool<Index, RowMemory> {
   /// blocks), that first row follows it to its new slot. A block reallocated since the step was
   /// planned makes the row stale: it is dropped.
   ///
-  /// `step` is the claiming step's serial: the new mapping, and the row, are readable once that step
-  /// has been filed; until then readers see the position as it was (design.md 2.3).
+  /// `step` is the claiming step's serial: the new mapping, and the row, are readable once that
+  /// step has been filed; until then readers see the position as it was
+  /// (docs/design/copy_pipeline.md, 2.3).
   [[nodiscard]] row_claim<Index> claim(std::uint32_t h,
                                        std::int64_t position,
                                        std::int64_t slot,

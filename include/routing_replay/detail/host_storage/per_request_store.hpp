@@ -8,9 +8,9 @@
 
 #include <routing_replay/config.hpp>
 #include <routing_replay/detail/prefetch.hpp>
-#include <routing_replay/detail/request_ranges.hpp>
+#include <routing_replay/detail/host_storage/request_ranges.hpp>
 #include <routing_replay/detail/row_claim.hpp>
-#include <routing_replay/detail/row_memory.hpp>
+#include <routing_replay/detail/host_storage/row_memory.hpp>
 #include <routing_replay/index_type.hpp>
 
 #include <algorithm>
