@@ -171,7 +171,8 @@ def test_off_by_default_nothing_is_patched(monkeypatch):
         assert not record.installed(name), name
     for module in SERVING:
         assert module.numpy2base64 is serial_utils.numpy2base64
-    assert op_module.RequestState._new_completion_output.__qualname__ == "RequestState._new_completion_output"
+    assert not hasattr(op_module.RequestState._new_completion_output, "__wrapped__")
+    assert not hasattr(op_module.OutputProcessor.add_request, "__wrapped__")
     for value in ("0", "off", "false", ""):
         monkeypatch.setenv(record.RECORD_ENV, value)
         assert record.options() is None and not record.register()

@@ -35,6 +35,7 @@ version gets a warning and vLLM's field.
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.abc
 import logging
 import sys
@@ -206,6 +207,7 @@ def _patch_engine(module) -> None:
         return
     original = cls.__init__
 
+    @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         experts = _engine_experts(vllm_config)  # before the engine starts: nothing to stop on an error
@@ -216,7 +218,6 @@ def _patch_engine(module) -> None:
             logger.info("routing_replay: %s: routed_experts is base64 of a route record (%s, E = %d)", RECORD_ENV,
                         _state["options"].codec, experts)
 
-    __init__.__wrapped__ = original
     cls.__init__ = __init__
     module._routing_replay_record_originals = {(cls_name, "__init__"): original}
 
@@ -236,6 +237,7 @@ def _patch_output_processor(module) -> None:
     new_completion_output = state_cls._new_completion_output
     add_request = processor_cls.add_request
 
+    @functools.wraps(new_completion_output)
     def _new_completion_output(self, *args, **kwargs):
         completion = new_completion_output(self, *args, **kwargs)
         experts = getattr(self, "_routing_replay_experts", None)
@@ -253,6 +255,7 @@ def _patch_output_processor(module) -> None:
         completion.routed_experts = marked
         return completion
 
+    @functools.wraps(add_request)
     def add_request_(self, request, *args, **kwargs):
         add_request(self, request, *args, **kwargs)
         experts = getattr(self, "_routing_replay_experts", None)
@@ -260,8 +263,6 @@ def _patch_output_processor(module) -> None:
         if experts is not None and state is not None:
             state._routing_replay_experts = experts
 
-    _new_completion_output.__wrapped__ = new_completion_output
-    add_request_.__wrapped__ = add_request
     state_cls._new_completion_output = _new_completion_output
     processor_cls.add_request = add_request_
     module._routing_replay_record_originals = {("RequestState", "_new_completion_output"): new_completion_output,
@@ -287,12 +288,12 @@ def _patch_serving(module) -> None:
                        "vLLM's field", RECORD_ENV, module.__name__)
         return
 
+    @functools.wraps(original)
     def numpy2base64(array, *args, **kwargs):
         if isinstance(array, RoutedExpertsRows) and array.route_record is not None:
             return field(array)
         return original(array, *args, **kwargs)
 
-    numpy2base64.__wrapped__ = original
     module.numpy2base64 = numpy2base64
     module._routing_replay_record_originals = {(None, "numpy2base64"): original}
 
