@@ -284,3 +284,16 @@ def test_an_engine_whose_experts_are_unknown_is_refused_before_it_starts(patched
             cls(config, None, False)
     hf.n_routed_experts = 72  # DeepSeek's name
     assert record.num_experts_of(model) == 72
+
+
+def test_the_option_left_out_of_vllm_plugins_is_warned_about(monkeypatch):
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    monkeypatch.setenv(record.RECORD_ENV, "1")
+    monkeypatch.setenv(plugin.ALLOW_LIST, "other_plugin")
+    message = plugin.left_out_warning()
+    assert message is not None and record.RECORD_ENV in message and "routed_experts field" in message
+    monkeypatch.setenv(plugin.ALLOW_LIST, "other_plugin,routing_replay")
+    assert plugin.left_out_warning() is None
+    monkeypatch.setenv(record.RECORD_ENV, "0")
+    monkeypatch.setenv(plugin.ALLOW_LIST, "other_plugin")
+    assert plugin.left_out_warning() is None
