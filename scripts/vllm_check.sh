@@ -4,7 +4,8 @@
 # for every environment: host_package_wheel in scripts/common.sh), then the plugin tests, the
 # differential and upstream-restated tests against the installed vLLM's own classes
 # (ROUTING_REPLAY_VLLM_PEER=installed: a run that cannot import vLLM stops), vLLM's real Scheduler
-# driving its connector and ours (test_vllm_scheduler.py) and the smoke tests. Ends with a summary
+# driving its connector and ours (test_vllm_scheduler.py), the smoke tests and the route record in
+# vLLM's routed_experts field (test_vllm_record.py: vLLM's OutputProcessor and serving modules). Ends with a summary
 # (scripts/engine_check_summary.py): wall time, passed / skipped / failed per file, the skip
 # reasons; fails where a case skipped for want of a peer. Not part of scripts/test.sh or CI (too
 # heavy); docs/engines.md quotes its figures.
@@ -30,7 +31,8 @@ wheel=$(host_package_wheel)
 echo "== package (host module) built and installed in $(( $(date +%s) - built )) s: $(basename "$wheel")"
 
 files=(python/tests/test_vllm_plugin.py python/tests/test_vllm_differential.py python/tests/test_vllm_upstream.py
-       python/tests/test_vllm_beyond.py python/tests/test_vllm_scheduler.py python/tests/test_vllm_smoke.py)
+       python/tests/test_vllm_beyond.py python/tests/test_vllm_scheduler.py python/tests/test_vllm_smoke.py
+       python/tests/test_vllm_record.py)
 report="$PWD/build/vllm-check"
 mkdir -p "$report"
 tests=$(date +%s)

@@ -20,7 +20,13 @@ Routing sources, T = --tokens rows of the shape's [L, K] of E:
               (hidden 64, seed 0, one sequence of T random tokens), its router's top-k per layer;
               skipped, with the reason in the line, where torch or transformers is not installed
 
+With --loop N, instead: one line per shape ("bench": "wire_encode_loop"), synthetic rows encoded
+packed N times in a row, each record dropped before the next (a server encoding one finished
+request after another): encode_gbps over the whole loop, and minor_faults_per_call (getrusage)
+against record_bytes, which shows whether each record lands in fresh pages.
+
 Usage: python3 benchmarks/python/wire_bench.py [--tokens 4096] [--reps 5] [--sources ...] [--shapes ...]
+       python3 benchmarks/python/wire_bench.py --loop 300 [--tokens 4096] [--shapes ...]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -160,6 +167,22 @@ def measure(shape_name, source, T, reps):
     return line
 
 
+def encode_loop(shape_name, T, calls):
+    L, K, E = SHAPES[shape_name]
+    rows = synthetic(T, L, K, E, np.random.default_rng(0))
+    size = len(wire.encode(rows, E))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        wire.encode(rows, E)
+    seconds = time.perf_counter() - t0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return {"bench": "wire_encode_loop", "shape": shape_name, "L": L, "K": K, "E": E, "T": T, "calls": calls,
+            "record_bytes": size, "encode_gbps": round(rows.size * calls / seconds / 1e9, 3),
+            "us_per_call": round(seconds / calls * 1e6, 1), "minor_faults_per_call": round(faults / calls, 1),
+            "pages_per_record": round(size / resource.getpagesize(), 1)}
+
+
 def tree() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -174,11 +197,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--loop", type=int, default=0, help="encode in a loop of this many calls (see above)")
     args = ap.parse_args()
     meta = {"bench": "wire_meta", "tree": tree(), "python": platform.python_version(), "numpy": np.__version__,
             "codecs": list(wire.CODECS), "cpus": os.cpu_count(), "machine": platform.machine(),
-            "zipf_s": ZIPF_S, "persistence": PERSIST, "tokens": args.tokens, "reps": args.reps}
+            "zipf_s": ZIPF_S, "persistence": PERSIST, "tokens": args.tokens, "reps": args.reps,
+            "package": os.path.dirname(os.path.abspath(wire.__file__))}  # the routing_replay measured
+    if args.loop:
+        meta["loop"] = args.loop
     print(json.dumps(meta), flush=True)
+    if args.loop:
+        for shape in args.shapes:
+            print(json.dumps(encode_loop(shape, args.tokens, args.loop)), flush=True)
+        return
     for shape in args.shapes:
         for source in args.sources:
             print(json.dumps(measure(shape, source, args.tokens, args.reps)), flush=True)

@@ -285,6 +285,61 @@ TEST_CASE("route record: an encoder makes the next record after finish_into, fro
   }
 }
 
+TEST_CASE("route record: write_into packs into the caller's buffer, the same bytes as finish_into")
+{
+  for (const shape s : {shape{48, 8, 128}, shape{60, 8, 384}, shape{3, 2, 32}}) {
+    rr::route_record_encoder enc{s.L, s.K, s.E, {.token_start = 9}};
+    rr::route_record_encoder ordered_free{s.L, s.K, s.E, {.ordered = false}};
+    for (std::uint32_t T : {0u, 1u, 255u, 256u, 257u, 600u, 1024u}) {
+      const auto rows = make_rows(T, s, T + s.E);
+      const std::ptrdiff_t stride = std::ptrdiff_t{s.L} * s.K;
+      for (rr::route_record_encoder* e : {&enc, &ordered_free}) {
+        e->append(rows.data(), T, stride, s.K);
+        const std::vector<std::byte> copied = e->finish();
+        std::vector<std::byte> direct(e->packed_record_size(T), std::byte{0xAB});
+        CHECK(direct.size() == copied.size());
+        e->write_into(direct, T);
+        e->append(rows.data(), T / 2, stride, s.K);  // in two calls: chunks do not follow calls
+        e->append(rows.data() + std::size_t{T / 2} * stride, T - T / 2, stride, s.K);
+        CHECK(e->finished_size() == direct.size());
+        CHECK(e->finish_into(std::span<std::byte>{direct}) == direct.size());
+        CHECK(direct == copied);
+      }
+    }
+    // the plan fails: a missing row (a bitmap before the payload), fewer rows, more rows
+    const auto rows = make_rows(600, s, 1);
+    const std::ptrdiff_t stride = std::ptrdiff_t{s.L} * s.K;
+    for (const int variant : {0, 1, 2}) {
+      std::vector<std::byte> direct(enc.packed_record_size(600));
+      enc.write_into(direct, 600);
+      const std::uint32_t n = variant == 1 ? 599 : 600;
+      enc.append(rows.data(), 300, stride, s.K);
+      if (variant == 0) { enc.append_missing(1); }
+      enc.append(rows.data() + 300 * stride, n - 300 - (variant == 0 ? 1 : 0), stride, s.K);
+      if (variant == 2) { enc.append(rows.data(), 1, stride, s.K); }
+      const std::size_t size = enc.finished_size();
+      CHECK(size != direct.size());
+      CHECK_THROWS_AS(enc.finish_into(std::span<std::byte>{direct}), rr::error);
+      std::vector<std::byte> exact(size);
+      enc.finish_into(std::span<std::byte>{exact});
+      rr::route_record_reader r{exact};
+      r.verify();
+      CHECK(r.missing_rows() == (variant == 0 ? 1u : 0u));
+      CHECK(r.num_tokens() == (variant == 2 ? 601u : n));
+      CHECK(slice(r, 0, 300, 0, s.L) == expected(rows, s, 0, 300, 0, s.L, true));
+    }
+    std::vector<std::byte> wrong(enc.packed_record_size(10) + 1);
+    CHECK_THROWS_AS(enc.write_into(wrong, 10), rr::error);
+    enc.set_token_start(4);
+    CHECK_THROWS_AS(enc.set_token_start(-1), rr::error);
+  }
+  if (rr::route_record_has_zstd) {
+    rr::route_record_encoder z{48, 8, 128, {.codec = rr::route_codec::zstd}};
+    std::vector<std::byte> buffer(z.packed_record_size(4));
+    CHECK_THROWS_AS(z.write_into(buffer, 4), rr::error);
+  }
+}
+
 TEST_CASE("route record: the reader refuses corrupted, truncated and foreign records")
 {
   const shape s{6, 4, 100};

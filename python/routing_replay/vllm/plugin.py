@@ -18,6 +18,10 @@ up in its own module when called, so both names are replaced there; a module of 
 either name with ``from ... import`` before the plugin ran gets the replacement too. The worker
 module is patched when it is first imported (an import hook), or at once if it already was, so the
 plugin itself imports nothing heavy in processes that never build a connector (the API server).
+
+With ``ROUTING_REPLAY_VLLM_RECORD=1`` (or a codec name) as well, or alone, the plugin puts a route
+record in the ``routed_experts`` field vLLM's front end writes (:mod:`routing_replay.vllm.record`,
+docs/engines.md, "Route records and vLLM's field"): that works with vLLM's own connector too.
 """
 
 from __future__ import annotations
@@ -49,19 +53,30 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+#: The environment variable that asks for a route record in vLLM's ``routed_experts`` field
+#: (:mod:`routing_replay.vllm.record`).
+RECORD_ENV = "ROUTING_REPLAY_VLLM_RECORD"
+
+
+def _record_asked() -> bool:
+    return os.environ.get(RECORD_ENV, "").strip().lower() not in {"", "0", "false", "no", "off"}
+
+
 def left_out_warning() -> str | None:
-    """The one-line warning for ``ROUTING_REPLAY_VLLM`` set while ``VLLM_PLUGINS`` leaves this plugin
-    out (vLLM then never loads it and runs its own connector); None where there is nothing to say."""
+    """The one-line warning for ``ROUTING_REPLAY_VLLM`` (or ``ROUTING_REPLAY_VLLM_RECORD``) set while
+    ``VLLM_PLUGINS`` leaves this plugin out (vLLM then never loads it and runs its own connector and
+    field); None where there is nothing to say."""
     allowed = os.environ.get(ALLOW_LIST)
-    if not enabled() or allowed is None:
+    if not (enabled() or _record_asked()) or allowed is None:
         return None
     names = allowed.split(",")  # as vLLM splits it: no stripping
     if NAME in names:
         return None
     spaced = [name for name in names if name.strip() == NAME]
     why = (f"names {spaced[0]!r}, and vLLM matches names exactly" if spaced else "leaves routing_replay out")
-    return (f"routing_replay: {ENV}={os.environ[ENV]} is set, but {ALLOW_LIST}={allowed!r} {why}: vLLM will not "
-            f"load the routing_replay plugin and runs its own connector; add routing_replay to {ALLOW_LIST} "
+    which = ENV if enabled() else RECORD_ENV
+    return (f"routing_replay: {which}={os.environ[which]} is set, but {ALLOW_LIST}={allowed!r} {why}: vLLM will not "
+            f"load the routing_replay plugin and runs its own {'connector' if which == ENV else 'routed_experts field'}; add routing_replay to {ALLOW_LIST} "
             f"(comma-separated, no spaces) or unset {ALLOW_LIST}")
 
 
@@ -82,9 +97,16 @@ def warn_if_left_out() -> bool:
 
 def register() -> None:
     """The entry point vLLM calls. Off unless ``ROUTING_REPLAY_VLLM`` is set; then vLLM's worker
-    connector is replaced (now, or when its module is imported). Safe to call more than once."""
+    connector is replaced (now, or when its module is imported). With ``ROUTING_REPLAY_VLLM_RECORD``
+    set, vLLM's front end writes route records in its ``routed_experts`` field
+    (:func:`routing_replay.vllm.record.register`: raises ValueError for a value it does not take).
+    Safe to call more than once."""
     if enabled():
         install()
+    if _record_asked():
+        from . import record
+
+        record.register()
 
 
 def install() -> None:

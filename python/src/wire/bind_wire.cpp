@@ -65,6 +65,61 @@ T sentinel_of() noexcept
   return std::is_signed_v<T> ? static_cast<T>(-1) : std::numeric_limits<T>::max();
 }
 
+// Each thread keeps the encoder of its last shape and options (the zstd context, the chunk staging
+// and the payload buffer with it), so that a record costs no allocation but its bytes object: an
+// encoder made and dropped every call handed glibc ~1.7 MB to free per record, which pushed the
+// top of its heap past the trim threshold (twice the ~1.4 MB mmap threshold a record's first
+// buffers set), so every call trimmed and faulted its buffers in again (~700 page faults a record
+// of Qwen3-30B-A3B's shape, more time in the kernel than in the encoder).
+struct encoder_key {
+  std::uint32_t layers = 0, top_k = 0, experts = 0;
+  route_codec codec = route_codec::packed;
+  bool ordered      = true;
+  int zstd_level    = 3;
+  std::vector<std::uint32_t> layer_map;
+  bool operator==(const encoder_key&) const = default;
+};
+
+struct cached_encoder {
+  encoder_key key;
+  std::optional<route_record_encoder> enc;
+};
+
+/// An encoder past this much memory is not kept for the next record.
+constexpr std::size_t kept_encoder_bytes = std::size_t{64} << 20;
+
+route_record_encoder& encoder_for(cached_encoder& cache, const encoder_key& key, std::int64_t token_start)
+{
+  if (!cache.enc || !(cache.key == key)) {
+    cache.enc.reset();
+    route_record_options options;
+    options.layer_map  = key.layer_map;
+    options.codec      = key.codec;
+    options.ordered    = key.ordered;
+    options.zstd_level = key.zstd_level;
+    cache.enc.emplace(key.layers, key.top_k, key.experts, std::move(options));
+    cache.key = key;
+  }
+  cache.enc->set_token_start(token_start);
+  return *cache.enc;
+}
+
+nb::bytes new_bytes(std::size_t size)
+{
+  PyObject* bytes = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
+  if (bytes == nullptr) { throw nb::python_error(); }
+  return nb::steal<nb::bytes>(bytes);
+}
+
+std::span<std::byte> span_of(nb::bytes& b)
+{
+  return {reinterpret_cast<std::byte*>(PyBytes_AS_STRING(b.ptr())), static_cast<std::size_t>(PyBytes_GET_SIZE(b.ptr()))};
+}
+
+template <class Append>
+nb::bytes encode_with(cached_encoder& cache, const encoder_key& key, std::int64_t token_start, std::uint32_t tokens,
+                      Append& append);
+
 nb::bytes encode(nb::ndarray<nb::ro, nb::ndim<3>, nb::device::cpu> rows, std::uint32_t num_experts,
                  std::int64_t token_start, std::optional<std::vector<std::uint32_t>> layer_map, const std::string& codec,
                  bool ordered, bool missing_rows, int zstd_level)
@@ -75,34 +130,60 @@ nb::bytes encode(nb::ndarray<nb::ro, nb::ndim<3>, nb::device::cpu> rows, std::ui
   if (rows.size() > 0 && rows.shape(2) > 1 && rows.stride(2) != 1) {
     throw nb::value_error("encode: the K ids of an entry must be contiguous (rows.strides[2] == itemsize)");
   }
-  route_record_options options;
-  options.token_start = token_start;
-  if (layer_map) { options.layer_map = std::move(*layer_map); }
-  options.codec      = codec_of(codec);
-  options.ordered    = ordered;
-  options.zstd_level = zstd_level;
-  // The record is written straight into the bytes object returned: no copy of it is made here
-  std::optional<route_record_encoder> enc;
-  std::size_t size = 0;
-  {
-    nb::gil_scoped_release release;
-    enc.emplace(static_cast<std::uint32_t>(rows.shape(1)), static_cast<std::uint32_t>(rows.shape(2)), num_experts,
-                std::move(options));
-    enc->reserve(rows.shape(0));
+  encoder_key key{static_cast<std::uint32_t>(rows.shape(1)), static_cast<std::uint32_t>(rows.shape(2)), num_experts,
+                  codec_of(codec), ordered, zstd_level, layer_map ? std::move(*layer_map) : std::vector<std::uint32_t>{}};
+  thread_local cached_encoder cache;
+  const auto tokens = static_cast<std::uint32_t>(rows.shape(0));
+  auto append = [&](route_record_encoder& enc) {
     with_integer(*code, [&]<class T>(T*) {
       const auto* base = static_cast<const T*>(rows.data());
-      enc->append<T>(base, rows.shape(0), rows.stride(0), rows.stride(1),
-                     missing_rows ? std::optional<T>{sentinel_of<T>()} : std::nullopt);
+      enc.append<T>(base, rows.shape(0), rows.stride(0), rows.stride(1),
+                    missing_rows ? std::optional<T>{sentinel_of<T>()} : std::nullopt);
     });
-    size = enc->finished_size();
+  };
+  // whatever throws, the kept encoder goes: it may hold rows of this call
+  try {
+    return encode_with(cache, key, token_start, tokens, append);
+  } catch (...) {
+    cache.enc.reset();
+    throw;
   }
-  PyObject* bytes = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
-  if (bytes == nullptr) { throw nb::python_error(); }
-  nb::bytes result = nb::steal<nb::bytes>(bytes);
+}
+
+template <class Append>
+nb::bytes encode_with(cached_encoder& cache, const encoder_key& key, std::int64_t token_start, std::uint32_t tokens,
+                      Append& append)
+{
+  route_record_encoder* enc = nullptr;
   {
     nb::gil_scoped_release release;
-    enc->finish_into(std::span<std::byte>{reinterpret_cast<std::byte*>(PyBytes_AS_STRING(bytes)), size});
+    enc = &encoder_for(cache, key, token_start);
   }
+  // The packed codec's size is known before the rows are read (unless a row is missing): the
+  // record is packed straight into the bytes object returned, at its final place, never copied.
+  // Other codecs (and a record with missing rows) finish from the encoder's buffers into it.
+  nb::bytes result;
+  std::size_t size = 0;
+  if (key.codec == route_codec::packed) {
+    result = new_bytes(enc->packed_record_size(tokens));
+    nb::gil_scoped_release release;
+    enc->write_into(span_of(result), tokens);
+    append(*enc);
+    size = enc->finished_size();
+    if (size == span_of(result).size()) { enc->finish_into(span_of(result)); }
+  } else {
+    nb::gil_scoped_release release;
+    enc->reserve(tokens);
+    append(*enc);
+    size = enc->finished_size();
+  }
+  if (!result.is_valid() || size != span_of(result).size()) {
+    nb::bytes exact = new_bytes(size);  // (a missing row: the encoder took the chunks back)
+    nb::gil_scoped_release release;
+    enc->finish_into(span_of(exact));
+    result = std::move(exact);
+  }
+  if (enc->capacity_bytes() > kept_encoder_bytes) { cache.enc.reset(); }
   return result;
 }
 

@@ -2,7 +2,8 @@
 /// route_record_encoder: rows in, one route record out. Rows are read through strides straight from
 /// the caller's storage (an engine's per-request rows, a numpy array) and staged one chunk at a time
 /// as 16-bit ids, so that nothing of size [T, L, K] is ever copied; each full chunk is packed (and
-/// compressed) at once and only its stored bytes are kept.
+/// compressed) at once and only its stored bytes are kept: packed in place at the end of the
+/// payload, or, after write_into, straight into the caller's record buffer at its final place.
 #pragma once
 
 #include <routing_replay/detail/wire/abi.hpp>
@@ -18,11 +19,45 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+namespace routing_replay::detail::wire {
+ROUTING_REPLAY_WIRE_ABI_BEGIN
+
+/// std::allocator, but `resize` leaves new elements default-initialized (bytes: not zeroed): a
+/// buffer the encoder writes whole right after growing it need not be cleared first.
+template <class T>
+struct uninitialized_allocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = uninitialized_allocator<U>;
+  };
+  uninitialized_allocator() = default;
+  template <class U>
+  uninitialized_allocator(const uninitialized_allocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>)
+  {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args)
+  {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+/// A byte buffer that grows without clearing.
+using byte_buffer = std::vector<std::byte, uninitialized_allocator<std::byte>>;
+
+ROUTING_REPLAY_WIRE_ABI_END
+}  // namespace routing_replay::detail::wire
 
 namespace routing_replay {
 ROUTING_REPLAY_WIRE_ABI_BEGIN
@@ -136,14 +171,79 @@ class route_record_encoder {
     if (std::uint64_t{rows_} + n > detail::wire::max_tokens) {
       throw error{errc::invalid_argument, "route_record_encoder: more than 2^31 - 1 rows"};
     }
-    for (std::size_t i = 0; i < n; ++i) {
-      stage_missing(stage_.data() + std::size_t{staged_} * row_ids_);
-      mark(false);
+    try {
+      for (std::size_t i = 0; i < n; ++i) {
+        stage_missing(stage_.data() + std::size_t{staged_} * row_ids_);
+        mark(false);
+      }
+    } catch (...) {
+      reset();
+      throw;
     }
   }
 
   /// @brief Rows appended so far.
   [[nodiscard]] std::uint32_t num_tokens() const noexcept { return rows_; }
+
+  /// @brief Sets the position of row 0 of the record being built (an encoder kept for many
+  /// records of one shape: each has its own first position).
+  /// @throws error invalid_argument outside [0, 2^31)
+  void set_token_start(std::int64_t token_start)
+  {
+    if (token_start < 0 || token_start > detail::wire::max_token_start) {
+      throw error{errc::invalid_argument, "route_record_encoder: token_start " + std::to_string(token_start) + " outside [0, 2^31)"};
+    }
+    options_.token_start = token_start;
+    header_.token_start  = token_start;
+  }
+
+  /// @brief The exact size of a record of `tokens` rows, none missing, with the packed codec (the
+  /// size write_into wants; with a compressing codec, the most a record of them can take, plus its
+  /// bitmap where rows are missing).
+  [[nodiscard]] std::size_t packed_record_size(std::uint32_t tokens) const noexcept
+  {
+    const std::uint32_t ct     = options_.chunk_tokens;
+    const std::uint32_t chunks = static_cast<std::uint32_t>((std::uint64_t{tokens} + ct - 1) / ct);
+    const std::size_t full     = tokens / ct;
+    return detail::wire::header_bytes + std::size_t{header_.num_layers} * 4 + std::size_t{chunks} * detail::wire::chunk_entry_bytes +
+           full * header_.packed_chunk_bytes(ct) + header_.packed_chunk_bytes(tokens % ct);
+  }
+
+  /// @brief Packs the chunks of the next `tokens` rows straight into `out`, the buffer the record
+  /// will be finished into (packed_record_size(tokens) bytes: a Python bytes object, a pinned
+  /// buffer, ...), at their final place: finish_into(out) then writes only the header, layer map
+  /// and chunk index around them, and no payload is kept or copied. Call it on an empty encoder
+  /// of the packed codec. Where the plan fails (a row is missing, so a bitmap must come before
+  /// the payload, or more rows come), the encoder takes the chunks packed so far back into its
+  /// own memory and goes on there: finish_into(out) then throws for the size, and finished_size()
+  /// says what a buffer must hold.
+  /// @throws error invalid_argument for another codec, a non-empty encoder or `out` of another size
+  void write_into(std::span<std::byte> out, std::uint32_t tokens)
+  {
+    if (options_.codec != route_codec::packed) {
+      throw error{errc::invalid_argument, "route_record_encoder: write_into needs the packed codec (a compressed size is not known ahead)"};
+    }
+    if (rows_ != 0) { throw error{errc::invalid_argument, "route_record_encoder: write_into on an encoder that holds rows"}; }
+    if (out.size() != packed_record_size(tokens)) {
+      throw error{errc::invalid_argument, "route_record_encoder: write_into a buffer of " + std::to_string(out.size()) +
+                                            " bytes, a record of " + std::to_string(tokens) + " rows has " +
+                                            std::to_string(packed_record_size(tokens))};
+    }
+    direct_out_      = out.data();
+    direct_tokens_   = tokens;
+    const std::size_t at = out.size() - payload_bytes_for(tokens);
+    direct_          = out.data() + at;
+    direct_capacity_ = out.size() - at;
+    direct_used_     = 0;
+  }
+
+  /// @brief Bytes the encoder holds in its own buffers (kept between records: a caller that keeps
+  /// one encoder for many records may drop it past a bound).
+  [[nodiscard]] std::size_t capacity_bytes() const noexcept
+  {
+    return stage_.capacity() * sizeof(std::uint16_t) + packed_.capacity() + columns_.capacity() + compressed_.capacity() +
+           best_.capacity() + payload_.capacity() + valid_.capacity() + chunks_.capacity() * sizeof(detail::wire::chunk_entry);
+  }
 
   /// @brief Writes the record into `buffer` (resized to it) and starts the next one.
   /// @return the record's size in bytes
@@ -157,7 +257,8 @@ class route_record_encoder {
   [[nodiscard]] std::size_t finished_size()
   {
     if (staged_ > 0) { flush_chunk(); }
-    return header_bytes_for(static_cast<std::uint32_t>(chunks_.size())) + payload_.size();
+    if (direct_ != nullptr && rows_ != direct_tokens_) { leave_direct(); }  // fewer rows than planned
+    return header_bytes_for(static_cast<std::uint32_t>(chunks_.size())) + payload_size();
   }
 
   /// @brief Writes the record into `out`, which holds exactly finished_size() bytes (a Python
@@ -174,8 +275,8 @@ class route_record_encoder {
     header_.num_chunks   = static_cast<std::uint32_t>(chunks_.size());
     header_.missing_rows = missing_;
     header_.flags        = (header_.flags & ~w::flag_has_missing) | (missing_ > 0 ? w::flag_has_missing : 0u);
-    header_.payload_bytes = payload_.size();
-    header_.record_bytes  = header_.payload_offset() + payload_.size();
+    header_.payload_bytes = payload_size();
+    header_.record_bytes  = header_.payload_offset() + payload_size();
     std::byte* p = out.data();
     std::byte* q = p + w::header_bytes;
     for (const std::uint32_t layer : options_.layer_map) { w::store_le<std::uint32_t>(q, layer); q += 4; }
@@ -188,7 +289,11 @@ class route_record_encoder {
       q += w::chunk_entry_bytes;
     }
     if (missing_ > 0) { std::copy_n(valid_.data(), header_.bitmap_bytes(), q); q += header_.bitmap_bytes(); }
-    std::copy(payload_.begin(), payload_.end(), q);
+    if (direct_ == nullptr) {
+      std::copy(payload_.begin(), payload_.end(), q);
+    } else if (direct_out_ != p || direct_ != q) {  // packed into another buffer: move it here
+      std::memmove(q, direct_, direct_used_);
+    }
     header_.checksum = 0;
     w::write_header(header_, p);
     header_.checksum = meta_checksum(p, header_.payload_offset());
@@ -201,7 +306,8 @@ class route_record_encoder {
   /// @brief Reserves room for `tokens` more rows' packed chunks (no reallocation while appending).
   void reserve(std::size_t tokens)
   {
-    payload_.reserve(payload_.size() + (tokens * header_.num_layers * header_.entry_bits + 7) / 8 + 8);
+    if (direct_ != nullptr) { return; }  // the chunks go to the caller's buffer
+    payload_.reserve(payload_.size() + (tokens * header_.num_layers * header_.entry_bits + 7) / 8 + detail::wire::pack_slack);
     valid_.reserve(valid_.size() + tokens / 8 + 1);
   }
 
@@ -235,12 +341,37 @@ class route_record_encoder {
     payload_.clear();
     chunks_.clear();
     valid_.clear();
+    direct_ = direct_out_ = nullptr;
+    direct_capacity_ = direct_used_ = 0;
+    direct_tokens_ = 0;
+  }
+
+  [[nodiscard]] std::size_t payload_size() const noexcept { return direct_ != nullptr ? direct_used_ : payload_.size(); }
+
+  // the packed payload of `tokens` rows in chunks of chunk_tokens
+  [[nodiscard]] std::size_t payload_bytes_for(std::uint32_t tokens) const noexcept
+  {
+    const std::uint32_t ct = options_.chunk_tokens;
+    return std::size_t{tokens / ct} * header_.packed_chunk_bytes(ct) + header_.packed_chunk_bytes(tokens % ct);
+  }
+
+  // write_into's plan failed: the chunks packed so far come back into the encoder's own payload
+  void leave_direct()
+  {
+    payload_.assign(direct_, direct_ + direct_used_);
+    direct_ = direct_out_ = nullptr;
+    direct_capacity_ = direct_used_ = 0;
   }
 
   void mark(bool present)
   {
     if (rows_ % 8 == 0) { valid_.push_back(std::byte{0}); }
-    if (present) { valid_.back() |= static_cast<std::byte>(1u << (rows_ % 8)); } else { ++missing_; }
+    if (present) {
+      valid_.back() |= static_cast<std::byte>(1u << (rows_ % 8));
+    } else {
+      ++missing_;
+      if (direct_ != nullptr) { leave_direct(); }  // a bitmap now comes before the payload
+    }
     ++rows_;
     if (++staged_ == options_.chunk_tokens) { flush_chunk(); }
   }
@@ -361,17 +492,35 @@ class route_record_encoder {
     const std::uint32_t tokens = staged_;
     const std::size_t ids      = std::size_t{tokens} * row_ids_;
     const std::size_t bytes    = header_.packed_chunk_bytes(tokens);
-    packed_.assign(bytes + w::pack_slack, std::byte{0});
-    if (options_.ordered) {
-      w::pack_ids(stage_.data(), ids, header_.bits_per_id, packed_.data());
+    if (direct_ != nullptr && (direct_used_ + bytes > direct_capacity_ || rows_ > direct_tokens_)) { leave_direct(); }
+    // The packed form goes where the chunk will be stored: the end of the payload (the caller's
+    // buffer after write_into, else the encoder's own), with pack_slack writable past it (the
+    // next chunk overwrites it). Only the last chunk of a caller's buffer, which has no slack
+    // past it, is packed aside and copied.
+    const std::size_t offset = payload_size();
+    std::byte* at            = nullptr;
+    if (direct_ != nullptr) {
+      at = direct_used_ + bytes + w::pack_slack <= direct_capacity_ ? direct_ + direct_used_ : nullptr;
     } else {
-      w::bit_writer out{packed_.data()};
+      payload_.resize(offset + bytes + w::pack_slack);
+      at = payload_.data() + offset;
+    }
+    std::byte* packed = at;
+    if (packed == nullptr) {
+      packed_.resize(bytes + w::pack_slack);
+      packed = packed_.data();
+    }
+    if (options_.ordered) {
+      w::pack_ids(stage_.data(), ids, header_.bits_per_id, packed);  // stores every byte it covers
+    } else {
+      std::fill_n(packed, bytes + w::pack_slack, std::byte{0});  // bit_writer ORs into zeroed bytes
+      w::bit_writer out{packed};
       for (std::size_t e = 0; e < std::size_t{tokens} * header_.num_layers; ++e) {
         out.put(*sets_.rank(stage_.data() + e * header_.top_k), header_.entry_bits);
       }
       out.finish();
     }
-    const std::byte* stored = packed_.data();
+    const std::byte* stored = packed;
     std::size_t stored_size = bytes;
     route_codec codec       = route_codec::packed;
     if (options_.codec != route_codec::packed) {
@@ -379,7 +528,7 @@ class route_record_encoder {
       // zstd_columns keeps the smaller of zstd over the columns and zstd over the packed form, so
       // it is never larger than zstd either (routing without column structure compresses better
       // packed: a skewed router's repeats are whole entries either way, and 9-bit ids pack tighter)
-      if (compressor_.compress(packed_.data(), bytes, compressed_) && compressed_.size() < stored_size) {
+      if (compressor_.compress(packed, bytes, compressed_) && compressed_.size() < stored_size) {
         stored_size = compressed_.size();
         codec       = route_codec::zstd;
         std::swap(best_, compressed_);
@@ -397,11 +546,18 @@ class route_record_encoder {
       }
     }
     w::chunk_entry entry;
-    entry.offset       = payload_.size();
+    entry.offset       = offset;
     entry.stored_bytes = static_cast<std::uint32_t>(stored_size);
     entry.codec        = codec;
     entry.checksum     = detail::xxhash64({stored, stored_size});
-    payload_.insert(payload_.end(), stored, stored + stored_size);
+    if (direct_ != nullptr) {
+      if (stored != direct_ + offset) { std::memcpy(direct_ + offset, stored, stored_size); }
+      direct_used_ += stored_size;
+    } else {
+      // a compressed chunk is smaller than its packed form: it fits where that was packed
+      if (stored != payload_.data() + offset) { std::memcpy(payload_.data() + offset, stored, stored_size); }
+      payload_.resize(offset + stored_size);
+    }
     chunks_.push_back(entry);
     staged_ = 0;
   }
@@ -412,11 +568,17 @@ class route_record_encoder {
   detail::wire::zstd_compressor compressor_;
   std::size_t row_ids_ = 0;            // L * K
   std::vector<std::uint16_t> stage_;   // the chunk being filled, [chunk_tokens][L][K]
-  std::vector<std::byte> packed_, columns_, compressed_, best_;
-  std::vector<std::byte> payload_;     // stored chunks, back to back
+  detail::wire::byte_buffer packed_;   // a chunk packed aside (the last of a caller's buffer)
+  std::vector<std::byte> columns_, compressed_, best_;
+  detail::wire::byte_buffer payload_;  // stored chunks, back to back
   std::vector<detail::wire::chunk_entry> chunks_;
   std::vector<std::byte> valid_;       // the validity bitmap, a bit a row (1: present)
   std::uint32_t rows_ = 0, staged_ = 0, missing_ = 0;
+  // write_into: the caller's record buffer, where its payload starts, its room and what is used
+  std::byte* direct_out_ = nullptr;
+  std::byte* direct_     = nullptr;
+  std::size_t direct_capacity_ = 0, direct_used_ = 0;
+  std::uint32_t direct_tokens_ = 0;
 };
 
 ROUTING_REPLAY_WIRE_ABI_END
