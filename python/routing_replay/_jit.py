@@ -10,8 +10,8 @@ and kept in a per-user cache for the next processes:
   ``~/.cache/routing_replay``), in a folder named by the package version and its build hash (the
   compilers, flags and headers it was built with), file names with a hash of the compiler's
   version and command: a unit is only ever loaded by the build that compiled it;
-- the compile: the same compiler and flags as the build's own units (``_jit/commands.json``,
-  recorded at install time), from the headers and templates installed in ``_jit/``; a file lock
+- the compile: the same compiler and flags as the build's own units (``_jit_sources/commands.json``,
+  recorded at install time), from the headers and templates installed in ``_jit_sources/``; a file lock
   (``fcntl.flock``) so that concurrent processes compile once, then an atomic rename into place;
 - a notice on stderr says what is compiled, where it is cached and how long it took;
 - ``ROUTING_REPLAY_CXX`` / ``ROUTING_REPLAY_NVCC`` replace the recorded compilers.
@@ -35,7 +35,7 @@ import time
 from . import _build
 
 _HERE = pathlib.Path(__file__).resolve().parent
-_JIT = _HERE / "_jit"
+_JIT = _HERE / "_jit_sources"
 _CPP_TYPES = {"uint8": "std::uint8_t", "uint16": "std::uint16_t", "int16": "std::int16_t", "int32": "std::int32_t"}
 _TEMPLATES = {"host": ("host_instances.cpp.in", ".cpp"), "cuda": ("cuda_instances_of.cu.in", ".cu")}
 _COMPILER_ENV = {"host": "ROUTING_REPLAY_CXX", "cuda": "ROUTING_REPLAY_NVCC"}

@@ -1,7 +1,7 @@
 """Records, at install time, how routing_replay/_jit.py compiles a unit on first use: the compile
 command CMake ran for a unit compiled ahead (compile_commands.json), without its source, output and
 dependency-file arguments, with the build's include directories turned into the installed copies
-({jit}: routing_replay/_jit) and the CCCL headers marked ({cccl}: _jit.py finds them again where
+({jit}: routing_replay/_jit_sources) and the CCCL headers marked ({cccl}: _jit.py finds them again where
 the build's copy, e.g. in pip's temporary build environment, is gone). Run by python/CMakeLists.txt."""
 
 import argparse
