@@ -3,8 +3,8 @@
 # scikit-build-core, pytest and matplotlib, with CUDA 13 (nvcc) and CMake >= 3.25; no internet
 # needed. Builds both modules, every policy combination ahead of time, with the environment's
 # build tools (--no-build-isolation) into build/python-gpu-site (the environment itself is left
-# alone), then runs the whole suite with the
-# CUDA cases required (a skipped CUDA case fails the run), then example (a) on the GPU.
+# alone), then runs the whole suite with the CUDA cases required (a skipped CUDA case fails the
+# run), then example (a) on the GPU.
 # Usage: scripts/python_gpu_check.sh [extra pytest arguments]
 # PY_GPU_SKIP_BUILD=1 tests the package scripts/python_gpu_bench.sh built there instead of
 # building it again.

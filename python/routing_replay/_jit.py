@@ -34,7 +34,7 @@ import time
 
 from . import _build
 
-_HERE = pathlib.Path(__file__).resolve().parent
+_HERE = pathlib.Path(os.path.abspath(__file__)).parent
 _JIT = _HERE / "_jit_sources"
 _CPP_TYPES = {"uint8": "std::uint8_t", "uint16": "std::uint16_t", "int16": "std::int16_t", "int32": "std::int32_t"}
 _TEMPLATES = {"host": ("host_instances.cpp.in", ".cpp"), "cuda": ("cuda_instances_of.cu.in", ".cu")}

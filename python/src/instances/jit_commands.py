@@ -20,7 +20,8 @@ def _map_path(path, args):
         root = os.path.normpath(root)
         if path == root or path.startswith(root + os.sep):
             return mapped + path[len(root):]
-    if args.cccl_include and path == os.path.normpath(args.cccl_include):
+    if os.path.isfile(os.path.join(path, "cuda", "std", "mdspan")):
+        args.cccl_include = path  # the toolkit's, or the nvidia-cuda-cccl wheel's in pip's build environment
         return "{cccl}"
     generated = os.path.normpath(args.generated_dir)
     if path == generated or path.startswith(generated + os.sep):
@@ -59,15 +60,17 @@ def _command(entry, args):
 def main():
     parser = argparse.ArgumentParser()
     for name in ("compile-commands", "host-unit", "cuda-unit", "source-dir", "include-dir", "generated-dir",
-                 "cccl-include", "cudart-dir", "out"):
+                 "cudart-dir", "out"):
         parser.add_argument("--" + name, default="")
     args = parser.parse_args()
     with open(args.compile_commands) as f:
         entries = {os.path.normpath(e["file"]): e for e in json.load(f)}
-    record = {"cccl_include": args.cccl_include, "cudart_dir": args.cudart_dir}
+    args.cccl_include = ""
+    record = {"cudart_dir": args.cudart_dir}
     for backend, unit in (("host", args.host_unit), ("cuda", args.cuda_unit)):
         if unit:
             record[backend] = _command(entries[os.path.normpath(unit)], args)
+    record["cccl_include"] = args.cccl_include
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
