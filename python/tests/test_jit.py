@@ -3,7 +3,7 @@ cache folder, with a notice, once (a second process loads the cached unit), and 
 ones compiled ahead do. Where no compiler is found, the error names it, the combination and the
 install option that compiles everything ahead.
 
-One host unit is compiled (about 15 s on a 2-core machine at -O2): int32 with token_major, forced
+One host unit is compiled (about 20 s on a 2-core machine at -O2; on a GPU machine, one CUDA unit too): int32 with token_major, forced
 even where the build compiled it ahead (ROUTING_REPLAY_PYTHON_ALL_COMBINATIONS=ON, as CI), so that
 the first-use path is tested by every build. The unit then replaces the build's own factories of
 that combination, which is itself a check that both are made the same way."""
@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from conftest import requires_cuda
 from routing_replay import _build
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -30,13 +31,14 @@ from routing_replay import _core, _jit
 from _sim import Engine
 from conftest import Device
 
-_jit.load("host", "int32", "token_major", _core)
-policies = {{(p["index"], p["layout"], p["copy"], p["storage"]) for p in rr.policies("host")}}
+backend = {backend!r}
+_jit.load(backend, "int32", "token_major", _core if backend == "host" else rr._cuda())
+policies = {{(p["index"], p["layout"], p["copy"], p["storage"]) for p in rr.policies(backend)}}
 assert ("int32", "token_major", "device_scatter", "block_slot") in policies, policies
-device = Device("host")
+device = Device(backend)
 for copy, storage in (("sync", "per_request"), ("device_scatter", "block_slot")):
     replay = rr.Replay(num_experts=40, top_k=3, max_tokens_per_step=24, max_model_len=40, moe_layers=[1, 2, 4],
-                       num_model_layers=5, num_fused_shared_experts=1, device="cpu", index="int32",
+                       num_model_layers=5, num_fused_shared_experts=1, device=device.name, index="int32",
                        layout="token_major", copy=copy, storage=storage, block_size=4, num_blocks=64)
     assert replay.policies["index"] == "int32" and replay.policies["layout"] == "token_major"
     engine = Engine(replay, device, seed=7, num_experts=40, moe_layers=[1, 2, 4], num_model_layers=5, top_k=3,
@@ -48,30 +50,41 @@ print("ok")
 """
 
 
-def _run(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE))], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+def _run(env: dict, backend: str = "host") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE), backend=backend)], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
 
 
-def test_a_unit_compiles_on_first_use_once(tmp_path):
+def _compiles_once(tmp_path, backend: str) -> None:
     env = dict(os.environ, ROUTING_REPLAY_CACHE_DIR=str(tmp_path))
-    first = _run(env)
+    first = _run(env, backend)
     assert first.returncode == 0, first.stderr
     assert "ok" in first.stdout
     notice = [line for line in first.stderr.splitlines() if "routing_replay: compiling" in line]
     assert len(notice) == 1, first.stderr
-    assert "index int32, layout token_major for the host backend (first use; cached in" in notice[0]
+    assert f"index int32, layout token_major for the {backend} backend (first use; cached in" in notice[0]
     assert str(tmp_path) in notice[0] and notice[0].endswith(" s")
     folder = tmp_path / next(p.name for p in tmp_path.iterdir())
     assert folder.name.endswith(_build.BUILD_HASH)
-    libraries = list(folder.glob("host_int32_token_major-*.so"))
+    libraries = list(folder.glob(f"{backend}_int32_token_major-*.so"))
     assert len(libraries) == 1
     assert not list(folder.glob(".build-*"))  # the build folder went, the library was renamed in
 
-    second = _run(env)
+    second = _run(env, backend)
     assert second.returncode == 0, second.stderr
     assert "routing_replay: compiling" not in second.stderr  # loaded from the cache
-    assert list(folder.glob("host_int32_token_major-*.so")) == libraries
+    assert list(folder.glob(f"{backend}_int32_token_major-*.so")) == libraries
+
+
+def test_a_unit_compiles_on_first_use_once(tmp_path):
+    _compiles_once(tmp_path, "host")
+
+
+@requires_cuda
+def test_a_cuda_unit_compiles_on_first_use_once(tmp_path):
+    """The CUDA module's first use: nvcc, the build's architectures, the module's CUDA runtime (about
+    a minute of nvcc; the GPU machines run it, CI builds no CUDA module)."""
+    _compiles_once(tmp_path, "cuda")
 
 
 def test_no_compiler_says_what_and_how(tmp_path):
