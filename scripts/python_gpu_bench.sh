@@ -22,7 +22,9 @@ base_site="$PWD/build/python-gpu-site-baseline"
 start=$(date +%s)
 build() {  # build TREE SITE LOG
   rm -rf "$2"
-  python3 -m pip install -q --no-build-isolation --no-deps --target "$2" "$1/python" >"$3" 2>&1 ||
+  # every combination ahead of time, as scripts/python_gpu_check.sh builds it (PY_GPU_SKIP_BUILD=1 reuses it)
+  python3 -m pip install -q --no-build-isolation --no-deps --target "$2" "$1/python" \
+    -C cmake.define.ROUTING_REPLAY_PYTHON_ALL_COMBINATIONS=ON >"$3" 2>&1 ||
     { cat "$3"; return 1; }
 }
 base_pid=

@@ -17,7 +17,8 @@
 # - the fuzzer for 2 minutes (clang, its own build: scripts/fuzz.sh), one thread beside the steps
 #   after the CUDA build, several of which leave the second core idle (serial tests, the soak);
 # - the Python package exactly as a user installs it (a fresh virtual environment, pip install
-#   "./python[plot,ray]"), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
+#   "./python[plot,ray]"), every policy combination ahead of time (ROUTING_REPLAY_PYTHON_ALL_COMBINATIONS=ON:
+#   the suite runs all 64; test_jit.py compiles one host unit on first use), host module only (-C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF: the CUDA module
 #   builds on the GPU machines, scripts/python_gpu_check.sh) at -O1, with torch from PyPI (the vLLM
 #   and SGLang differential tests run those engines' code on the CPU) and transformers (the
 #   examples and replay tests on a random MoE model), and its pytest suite: every policy
@@ -96,10 +97,11 @@ python_venv=build/python-venv
 rm -rf "$python_venv"
 python3 -m venv "$python_venv"
 python_start=$(date +%s)
-# -O1: CI checks behaviour, not speed, and the instantiations build a third faster. The ray extra:
+# -O1: CI checks behaviour, not speed, and the instantiations build a third faster (the unit
+# test_jit.py compiles on first use too: it reuses the build's flags). The ray extra:
 # test_ray.py starts a Ray cluster of this machine's cores and eight trainer-rank actors.
 "$python_venv/bin/pip" install -q "./python[plot,ray]" -C cmake.define.ROUTING_REPLAY_PYTHON_CUDA=OFF \
-  -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
+  -C "cmake.define.CMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" -C cmake.define.ROUTING_REPLAY_PYTHON_ALL_COMBINATIONS=ON
 echo "installed in $(( $(date +%s) - python_start )) s"
 # torch (PyPI's build; on a machine without a GPU it runs on the CPU): the vLLM and SGLang tests run
 # the engines' own released code, which needs it, beside ours (differential tests; they skip, saying

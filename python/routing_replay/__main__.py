@@ -9,7 +9,7 @@ import os
 import sys
 
 import routing_replay as rr
-from routing_replay import _build
+from routing_replay import _build, _jit
 
 
 def _cuda_lines() -> list[str]:
@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     combinations = {backend: rr.policies(backend) for backend in backends}
     counts = ", ".join(f"{backend} {len(found)}" for backend, found in combinations.items())
-    print(f"policy combinations compiled: {counts} (index types {', '.join(_build.INDEX_TYPES)}, each with every "
-          f"layout, copy strategy and storage){'' if args.list else '; --list lists them'}")
+    units = ", ".join(unit.replace("/", " ") for unit in _build.AOT_UNITS)
+    print(f"policy combinations compiled: {counts} (ahead of time: index and layout {units}, each with every "
+          f"copy strategy and storage; the others compile on first use into {_jit.cache_dir()})"
+          f"{'' if args.list else '; --list lists them'}")
     if args.flags:
         print(f"compiler flags: host module {_build.CXX_FLAGS or '(none)'}; "
               f"CUDA module {_build.CUDA_FLAGS or '(not built)'}")

@@ -64,12 +64,14 @@ def cuda_available() -> bool:
 
 
 def policies(backend: str = "host") -> list[dict[str, str]]:
-    """The compiled instantiations of a backend: dicts with ``index``, ``layout``, ``copy``, ``storage``.
+    """The instantiations of a backend available now: dicts with ``index``, ``layout``, ``copy``, ``storage``.
 
-    Both backends have every combination of :data:`INDEX_TYPES`, :data:`LAYOUTS`,
-    :data:`COPY_STRATEGIES` and :data:`STORAGES` (64), unless the package was built with
-    ``-C cmake.define.ROUTING_REPLAY_PYTHON_INDEX_TYPES=...`` naming fewer index types
-    (``routing_replay._build.INDEX_TYPES``): then every combination of those.
+    Those compiled ahead of time (index ``int16`` with layout ``layer_major``, each with every copy
+    strategy and storage, unless the package was built with
+    ``-C cmake.define.ROUTING_REPLAY_PYTHON_ALL_COMBINATIONS=ON``: all 64; ``routing_replay._build.AOT_UNITS``),
+    and those a replay compiled or loaded from the cache on first use in this process. Every
+    combination of :data:`INDEX_TYPES`, :data:`LAYOUTS`, :data:`COPY_STRATEGIES` and :data:`STORAGES`
+    can be asked for: the others compile on first use (:mod:`routing_replay._jit`).
     """
     module = _core if backend == "host" else _cuda()
     out = []

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays, _core
+from . import _arrays, _core, _jit
 from ._core import Config, Error, HostStream, StepPlan
 from ._native import (COPY_STRATEGIES, INDEX_TYPES, LAYOUTS, STORAGES, _cuda_device, _parse_device,
                       _policy_error, _usable_cuda)
@@ -73,8 +73,9 @@ class Replay:
 
     Raises:
         Error: the library refused the configuration (``code`` says why).
-        ValueError: a policy name is unknown, or its index type was left out of this build
-            (``ROUTING_REPLAY_PYTHON_INDEX_TYPES``; the message says how to rebuild).
+        ValueError: a policy name is unknown.
+        RuntimeError: the combination was not compiled ahead of time and cannot be compiled here
+            (no compiler; the message names it and the install option that compiles everything ahead).
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class Replay:
         if backend == "host":
             if copy_stream is not None and not isinstance(copy_stream, HostStream):
                 raise TypeError("the host backend's copy_stream is a routing_replay.HostStream")
+            _jit.ensure("host", index, layout, _core)  # compiled on first use where not ahead of time
             try:
                 native = _core.create(index, layout, copy, storage, config, copy_stream, _staging)
             except Error as e:
@@ -133,6 +135,7 @@ class Replay:
         else:
             cuda = _usable_cuda(device)
             handle = None if copy_stream is None else _arrays.cuda_stream_handle(copy_stream)
+            _jit.ensure("cuda", index, layout, cuda)
             with _cuda_device(cuda, device_index):
                 try:
                     native = cuda.create(index, layout, copy, storage, config, handle, _staging)

@@ -164,10 +164,9 @@ inline replay_handle create_replay(const factory_table& table, const policy_name
   if (it == table.end()) {
     throw error{errc::invalid_argument,
                 "no compiled " + names.backend + " instantiation for index=" + names.index + ", layout=" + names.layout +
-                  ", copy=" + names.copy + ", storage=" + names.storage + ": this build compiled index types " +
-                  compiled_index_types + " (routing_replay.policies('" + names.backend +
-                  "') lists the combinations); every combination of all four comes with the default build, "
-                  "pip install ./python (or -C cmake.define.ROUTING_REPLAY_PYTHON_INDEX_TYPES=all)"};
+                  ", copy=" + names.copy + ", storage=" + names.storage + ": compiled ahead of time: " +
+                  compiled_index_types + "; routing_replay.Replay compiles the others on first use "
+                  "(or reinstall with -C cmake.define.ROUTING_REPLAY_PYTHON_ALL_COMBINATIONS=ON)"};
   }
   return replay_handle{it->second(config, copy_stream, staging), kind, device};
 }

@@ -7,6 +7,7 @@
 #include "bindings.hpp"
 #include "handle.hpp"
 #include "instances/instance_registry.hpp"
+#include "instances/jit_loader.hpp"
 #include "replay_base.hpp"
 #include "slot_rows/slot_rows_bindings.hpp"
 #include "row_streams/stream_bindings.hpp"
@@ -29,9 +30,10 @@ using namespace nb::literals;
 namespace routing_replay::python {
 namespace {
 
-const factory_table& host_factories()
+/// The host instantiations: those compiled ahead, plus the units loaded on first use (_load_instances).
+factory_table& host_factories()
 {
-  static const factory_table table = [] {
+  static factory_table table = [] {
     factory_table t;
     register_host_instances(t);
     return t;
@@ -167,6 +169,8 @@ NB_MODULE(_core, m)
         },
         "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a.none() = nb::none(),
         "staging"_a = false, "Creates a host-backend replay (internal: use routing_replay.Replay).");
+  m.def("_load_instances", [](const std::string& path) { rp::load_instances(rp::host_factories(), path); }, "path"_a,
+        "Internal (routing_replay._jit): loads a unit of host instantiations compiled on first use.");
   rp::bind_kept(m);              // host memory faulted in ahead for copies a consumer keeps
   rp::bind_slot_rows(m);         // routing_replay.sglang
   rp::bind_records(native);      // route records from storage (after SlotRows, which it extends)

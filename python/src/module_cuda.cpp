@@ -3,6 +3,7 @@
 /// Config, StepPlan, Error) is bound by routing_replay._core, which this module imports first.
 #include "instances/cuda_instances.hpp"
 #include "handle.hpp"
+#include "instances/jit_loader.hpp"
 #include "slot_rows/slot_rows_bindings.hpp"
 #include "row_streams/stream_bindings.hpp"
 
@@ -22,9 +23,10 @@ namespace rr = routing_replay;
 
 namespace {
 
-const rp::factory_table& cuda_factories()
+// the instantiations compiled ahead, plus the units loaded on first use (_load_instances)
+rp::factory_table& cuda_factories()
 {
-  static const rp::factory_table table = [] {
+  static rp::factory_table table = [] {
     rp::factory_table t;
     rp::register_cuda(t);
     return t;
@@ -68,6 +70,8 @@ NB_MODULE(_core_cuda, m)
         },
         "index"_a, "layout"_a, "copy"_a, "storage"_a, "config"_a, "copy_stream"_a = nb::none(), "staging"_a = false,
         "Creates a CUDA-backend replay on the current device (internal: use routing_replay.Replay).");
+  m.def("_load_instances", [](const std::string& path) { rp::load_instances(cuda_factories(), path); }, "path"_a,
+        "Internal (routing_replay._jit): loads a unit of CUDA instantiations compiled on first use.");
   rp::bind_cuda_slot_rows(m);
   rp::register_cuda_stream_device(m);  // routing_replay.vllm
 }

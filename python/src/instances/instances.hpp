@@ -1,14 +1,12 @@
 /// @file
-/// The compiled set of instantiations: every policy combination of the index types a build
-/// compiles, on both backends, so every Python test runs every combination on both.
+/// The instantiations, by unit: one index type and layout with the four copy strategies (rings of
+/// depth 2) and both storages, 8; 8 units, 64 combinations, per backend.
 ///
-/// Per index type (uint8, uint16, int16, int32; all four unless the CMake option
-/// ROUTING_REPLAY_PYTHON_INDEX_TYPES names fewer): both layouts, the four copy strategies (rings of
-/// depth 2) and both storages, 16; 64 in all. python/CMakeLists.txt generates the translation units
-/// that instantiate them, so that a machine's cores build them at once: one per index type for the
-/// host module (host_instances.cpp.in), one per index type and layout for the CUDA module, whose
-/// nvcc units cost more each (cuda_instances_of.cu.in); and instance_registry.hpp, which registers
-/// what was built.
+/// python/CMakeLists.txt generates the units compiled ahead of time (by default int16 with
+/// layer_major; all with ROUTING_REPLAY_PYTHON_ALL_COMBINATIONS=ON) from host_instances.cpp.in and
+/// cuda_instances_of.cu.in, and instance_registry.hpp, which registers them. routing_replay/_jit.py
+/// compiles any other unit on first use, from the same templates with ROUTING_REPLAY_JIT_UNIT
+/// defined, into a shared library the module loads (jit_loader.hpp).
 #pragma once
 
 #include "replay_impl.hpp"
@@ -35,3 +33,12 @@ void add_copy_and_storage(factory_table& table, const char* backend, const char*
 }
 
 }  // namespace routing_replay::python
+
+/// @brief The entry point of a unit compiled on first use: registers its instantiations into the
+/// factory table of the module that loads it (jit_loader.hpp). extern "C" and visible, the only
+/// symbol such a library exports; the table is passed as void* so that the name is not mangled.
+#define ROUTING_REPLAY_JIT_ENTRY(register_function)                                                      \
+  extern "C" __attribute__((visibility("default"))) void routing_replay_register_instances(void* table) \
+  {                                                                                                     \
+    routing_replay::python::register_function(*static_cast<routing_replay::python::factory_table*>(table)); \
+  }
