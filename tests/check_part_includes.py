@@ -50,6 +50,7 @@ PYTHON_DETAIL_PARTS = {
 # python/src: each folder's public headers (relative to python/src; generated ones by their name)
 PYTHON_PUBLIC = {
     "instances/instances.hpp",
+    "instances/jit_loader.hpp",  # the modules load first-use instantiations through it
     "instances/cuda_instances.hpp",
     "instances/instance_registry.hpp",
     "row_streams/stream_bindings.hpp",
