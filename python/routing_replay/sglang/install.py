@@ -20,8 +20,9 @@ and puts ``routing_replay/sglang/_site`` on ``PYTHONPATH``, whose ``sitecustomiz
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
+
+from .._import_patch import PatchOnImport
 
 #: The module SGLang keeps its capturer in.
 TARGET = "sglang.srt.state_capturer.routed_experts"
@@ -105,33 +106,8 @@ def _engine_hooks(module) -> dict:
             "page_size": lambda: setting("page_size", 1), "unsupported": unsupported}
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
+class _PatchOnImport(PatchOnImport):
     """Finds SGLang's capturer module through the other finders and patches it once it has run."""
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs the module as its own loader would, then patches it."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._inner.exec_module(module)
-        patch(module)
+    def patch_for(self, fullname):
+        return patch if fullname == TARGET else None

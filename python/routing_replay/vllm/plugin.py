@@ -26,12 +26,13 @@ docs/engines.md, "Route records and vLLM's field"): that works with vLLM's own c
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
+
+from .._import_patch import PatchOnImport
 
 #: The environment variable that turns the plugin on ("1", "true", "yes" or "on").
 ENV = "ROUTING_REPLAY_VLLM"
@@ -172,36 +173,10 @@ def _patch(module) -> None:
                 f" (also {', '.join(rebound)})" if rebound else "")
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
+class _PatchOnImport(PatchOnImport):
     """Finds vLLM's worker module with the other finders and patches it once it has run."""
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, self)
-                return spec
-        return None
+    once = True
 
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, finder: _PatchOnImport) -> None:
-        self.loader = loader
-        self.finder = finder
-
-    def __getattr__(self, name):  # get_source, get_filename, ...: the module's own loader answers
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _patch(module)
-        if self.finder in sys.meta_path:
-            sys.meta_path.remove(self.finder)
+    def patch_for(self, fullname):
+        return _patch if fullname == TARGET else None

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import base64
 import functools
-import importlib.abc
 import logging
 import sys
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from .._import_patch import PatchOnImport
 from .._record import RecordOptions, from_environment
 
 #: The environment variable: unset or 0 (vLLM's field), 1 (a packed record) or a codec name.
@@ -305,36 +305,11 @@ def _patches() -> dict[str, Callable]:
     return patches
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
+class _PatchOnImport(PatchOnImport):
     """Finds the patched modules with the other finders and patches each once it has run."""
 
-    def find_spec(self, fullname, path, target=None):
+    def patch_for(self, fullname):
         patch = _patches().get(fullname)
         if patch is None:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, patch)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, patch) -> None:
-        self.loader = loader
-        self.patch = patch
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        if _state["options"] is not None:
-            self.patch(module)
+        return lambda module: patch(module) if _state["options"] is not None else None
